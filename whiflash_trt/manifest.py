@@ -1,0 +1,83 @@
+"""The engine directory format, written by the builder and read by the runtime.
+
+    ENGINE/manifest.json      format version, architecture, dtype, captured layers, KV layout, sources, options
+    ENGINE/target.safetensors the target's weights (our module names) in the engine dtype
+    ENGINE/tokenizer/         tokenizer.json + tokenizer_config.json (chat template)
+    ENGINE/<drafters, router> added by the speculative issue, listed under "components"
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from whiflash_trt.config import ModelConfig
+from whiflash_trt.errors import CheckpointError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TARGET_WEIGHTS = "target.safetensors"
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: ModelConfig
+    dtype: str
+    capture_layers: tuple[int, ...]
+    block_size: int
+    kv_pools: tuple[dict, ...]
+    source: dict[str, Any]
+    build_options: dict[str, Any]
+    components: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format_version": self.format_version,
+            "architecture": self.model.architecture,
+            "dtype": self.dtype,
+            "model_config": self.model.to_dict(),
+            "capture_layers": list(self.capture_layers),
+            "kv_layout": {"block_size": self.block_size, "pools": list(self.kv_pools),
+                          "shape": "[num_layers, num_blocks * block_size, num_kv_heads, head_dim] per K and V"},
+            "source": self.source,
+            "build_options": self.build_options,
+            "components": self.components,
+            "files": {"target_weights": TARGET_WEIGHTS, "tokenizer": TOKENIZER_DIR},
+        }, indent=2)
+
+    def write(self, engine_dir: Path) -> None:
+        (engine_dir / MANIFEST).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def read(cls, engine_dir: str | Path) -> "Manifest":
+        engine_dir = Path(engine_dir)
+        path = engine_dir / MANIFEST
+        if not path.is_file():
+            raise CheckpointError(f"{engine_dir} is not a whiflash engine directory: {MANIFEST} is missing "
+                                  f"(build one with `whiflash-build --target NAME|PATH --output {engine_dir}`)")
+        try:
+            d = json.loads(path.read_text())
+            version = d["format_version"]
+            if version != FORMAT_VERSION:
+                raise CheckpointError(f"{path}: engine format version {version} is not supported by this "
+                                      f"whiflash-trt (expects {FORMAT_VERSION}); rebuild the engine")
+            return cls(model=ModelConfig.from_dict(d["model_config"]), dtype=d["dtype"],
+                       capture_layers=tuple(d["capture_layers"]), block_size=d["kv_layout"]["block_size"],
+                       kv_pools=tuple(d["kv_layout"]["pools"]), source=d["source"],
+                       build_options=d["build_options"], components=d.get("components", {}),
+                       format_version=version)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path} is corrupt or incomplete: {type(e).__name__}: {e}") from None
+
+
+def file_sha256(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,93 @@
+"""Llama-architecture GGUF files (llama.cpp) dequantised to float tensors under our module names.
+
+llama.cpp's converter permutes the rows of q_proj and k_proj (interleaved rotary halves); we undo it so the weights
+use the rotate-half convention of the Hugging Face checkpoints and of our attention.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from whiflash_trt.config import ModelConfig, RopeConfig
+from whiflash_trt.errors import CheckpointError
+from whiflash_trt.models.checkpoints import Checkpoint
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only llama)")
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    vocab = _field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, "llama.context_length", 8192)),
+        rope=RopeConfig(theta=float(_field(reader, "llama.rope.freq_base", 10000.0))),
+        tie_word_embeddings=not has_output,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def load_gguf_checkpoint(path: str | Path, progress=None) -> Checkpoint:
+    """Read and dequantise every tensor; `progress` wraps the tensor iterator (e.g. tqdm)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from None
+    cfg = gguf_config(reader)
+    state: dict[str, torch.Tensor] = {}
+    tensors = reader.tensors if progress is None else progress(reader.tensors)
+    for t in tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+        if m and m.group(2) in _LAYER_NAMES:
+            name = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+        elif t.name.removesuffix(".weight") in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[t.name.removesuffix(".weight")] + ".weight"
+        else:
+            continue  # e.g. rope_freqs: recomputed from the config
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        state[name] = w
+    return Checkpoint(config=cfg, state_dict=state, source=str(path.resolve()))

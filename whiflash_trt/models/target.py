@@ -1,0 +1,101 @@
+"""The target model (Llama family and Qwen3) over a paged KV pool.
+
+One forward serves prefill, decode and multi-token (chain or tree) verification: the caller gives the new tokens'
+positions, the pool slots their K/V go to, the slots of every key they may attend to (in logical order, new ones
+included) and an explicit [T, S] attention mask. Module names follow the Hugging Face checkpoints, so loading is a
+name map (drop the leading "model.").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from whiflash_trt.config import ModelConfig
+from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, paged_attention
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor          # [len(logits_indices), vocab]
+    hidden: torch.Tensor          # [len(logits_indices), hidden] final-norm output at those rows
+    captured: torch.Tensor | None  # [T, len(capture_layers) * hidden] outputs of the requested layers, concatenated
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=bias)
+        self.qk_norm = cfg.architecture == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pool.index_copy_(0, write_slots, k)
+        v_pool.index_copy_(0, write_slots, v)
+        return self.o_proj(paged_attention(q, k_pool, v_pool, read_slots, attn_mask, self.scale))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,        # [T]
+        positions: torch.Tensor,        # [T]
+        k_cache: torch.Tensor,          # [num_layers, num_slots, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        write_slots: torch.Tensor,      # [T] where the new tokens' K/V go
+        read_slots: torch.Tensor,       # [S] every key the new tokens may see, in logical order
+        attn_mask: torch.Tensor,        # [T, S] bool
+        capture_layers: tuple[int, ...] = (),
+        logits_indices: torch.Tensor | None = None,  # rows of T to compute logits for; None = all
+    ) -> TargetOutput:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, read_slots, attn_mask)
+            if i in capture_layers:
+                captured.append((capture_layers.index(i), x))
+        rows = x if logits_indices is None else x.index_select(0, logits_indices)
+        hidden = self.norm(rows)
+        feats = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
+        return TargetOutput(logits=self.lm_head(hidden), hidden=hidden, captured=feats)

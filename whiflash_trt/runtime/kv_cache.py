@@ -1,0 +1,100 @@
+"""Paged KV memory: one block allocator, one physical pool per model, all indexed by the same block ids.
+
+A sequence's block table therefore addresses the target's pool and both drafters' pools at once: logical slot i of
+a sequence lives at physical slot block_table[i // block_size] * block_size + i % block_size in every pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCacheExhausted(RuntimeError):
+    """Raised before anything is written when a request needs more KV blocks than are free."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one model's KV pool, per block."""
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    def to_dict(self) -> dict:
+        from whiflash_trt.config import dtype_name
+        return {"name": self.name, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype)}
+
+
+def num_blocks_for_budget(budget_bytes: int, block_size: int, layouts: list[KVLayout]) -> int:
+    """How many block ids fit when every block id has a block in each layout's pool."""
+    per_block = sum(layout.bytes_per_block(block_size) for layout in layouts)
+    num_blocks = budget_bytes // per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV memory budget of {budget_bytes} bytes holds no block ({per_block} bytes per block id)")
+    return int(num_blocks)
+
+
+class BlockAllocator:
+    """Free list plus reference counts over block ids 0..num_blocks-1."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVCacheExhausted(
+                f"KV cache exhausted: {n} blocks requested, {len(self._free)} of {self.num_blocks} free; "
+                f"raise the KV memory budget or shorten the request")
+        ids = [self._free.pop() for _ in range(n)]
+        for b in ids:
+            self._refs[b] = 1
+        return ids
+
+    def share(self, ids: list[int]) -> None:
+        """Add a reference to blocks already held (prefix sharing)."""
+        for b in ids:
+            if self._refs[b] <= 0:
+                raise ValueError(f"block {b} is not allocated")
+            self._refs[b] += 1
+
+    def free(self, ids: list[int]) -> None:
+        for b in ids:
+            if self._refs[b] <= 0:
+                raise ValueError(f"block {b} freed twice")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+
+class KVPool:
+    """One model's physical K and V: [num_layers, num_blocks * block_size, kv_heads, head_dim] each."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+        self.layout = layout
+        shape = (layout.num_layers, num_blocks * block_size, layout.num_kv_heads, layout.head_dim)
+        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move K/V of src slots to dst slots in every layer (compaction of an accepted tree path)."""
+        if src.numel() == 0:
+            return
+        # Gather first: src and dst ranges may overlap.
+        self.k[:, dst] = self.k[:, src].clone()
+        self.v[:, dst] = self.v[:, src].clone()

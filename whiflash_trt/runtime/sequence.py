@@ -1,0 +1,88 @@
+"""Per-request state: tokens, committed length, the pending bonus token, the block table, drafter frontiers.
+
+Invariant after every verify: tokens x_0..x_{N-1} are committed and the target's K/V for them are in the pool at
+logical slots 0..N-1; the bonus token b (the target's own next token) is pending at position N and not yet cached.
+A drafter's frontier says up to which position its own cache is filled (<= N).
+"""
+from __future__ import annotations
+
+import torch
+
+from whiflash_trt.runtime.kv_cache import BlockAllocator
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], allocator: BlockAllocator, block_size: int) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        self.prompt_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.tokens: list[int] = []  # committed (= cached) tokens; prefill commits the prompt
+        self.pending: int | None = None
+        self.frontiers: dict[str, int] = {}
+        self.block_table: list[int] = []
+        self._allocator = allocator
+        self._block_size = block_size
+        self._table = torch.empty(0, dtype=torch.long)
+
+    @property
+    def num_committed(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+    @property
+    def capacity(self) -> int:
+        return len(self.block_table) * self._block_size
+
+    def reserve(self, num_slots: int) -> None:
+        """Make logical slots [0, num_slots) addressable; all or nothing (raises KVCacheExhausted)."""
+        missing = -(-num_slots // self._block_size) - len(self.block_table)
+        if missing > 0:
+            self.block_table += self._allocator.allocate(missing)
+            self._table = torch.tensor(self.block_table, dtype=torch.long)
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Physical slots of logical positions [start, end) -> [end - start] int64."""
+        if end > self.capacity:
+            raise IndexError(f"logical slot {end - 1} beyond reserved capacity {self.capacity}")
+        idx = torch.arange(start, end)
+        return self._table[idx // self._block_size] * self._block_size + idx % self._block_size
+
+    def commit(self, tokens: list[int], pending: int | None) -> None:
+        """Append tokens whose target K/V already sit at slots [N, N + len(tokens)); set the next bonus token."""
+        if self.num_committed + len(tokens) > self.capacity:
+            raise IndexError("committing tokens beyond the reserved KV capacity")
+        self.tokens += tokens
+        self.pending = pending
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n committed tokens (a length change; their K/V are simply overwritten later)."""
+        generated = max(0, self.num_committed - self.num_prompt_tokens)
+        if not 0 <= n <= generated:
+            raise ValueError(f"cannot roll back {n} tokens; {generated} generated")
+        del self.tokens[len(self.tokens) - n:]
+        self.pending = None
+        for name, frontier in self.frontiers.items():
+            self.frontiers[name] = min(frontier, self.num_committed)
+
+    def compaction(self, path: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots to copy so the accepted tree nodes at logical N + path[i] land at N + i (path strictly increasing)."""
+        if any(b <= a for a, b in zip(path, path[1:])) or (path and path[0] < 0):
+            raise ValueError(f"accepted path offsets must be increasing and non-negative, got {path}")
+        n = self.num_committed
+        moved = [(n + p, n + i) for i, p in enumerate(path) if p != i]
+        if not moved:
+            empty = torch.empty(0, dtype=torch.long)
+            return empty, empty
+        src = torch.cat([self.slots(s, s + 1) for s, _ in moved])
+        dst = torch.cat([self.slots(d, d + 1) for _, d in moved])
+        return src, dst
+
+    def free(self) -> None:
+        if self.block_table:
+            self._allocator.free(self.block_table)
+        self.block_table = []
+        self._table = torch.empty(0, dtype=torch.long)

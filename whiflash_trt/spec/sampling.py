@@ -1,0 +1,39 @@
+"""Turning target logits into the distribution tokens are drawn from (temperature, top-k, top-p)."""
+from __future__ import annotations
+
+import torch
+
+from whiflash_trt.config import SamplingConfig
+
+
+def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """[..., vocab] logits -> [..., vocab] fp32 probabilities after temperature, top-k and top-p filtering.
+
+    Speculative verification must accept against exactly this distribution, so it is the single definition.
+    """
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of [..., vocab] probabilities -> [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Target-only choice for [..., vocab] logits: argmax when greedy, else a draw from target_probs."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return sample(target_probs(logits, sampling), generator)
