@@ -105,4 +105,6 @@ def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.devic
         model.lm_head.weight = model.embed_tokens.weight
     cfg = ckpt.config
     model.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope).to(device)
-    return model.eval().requires_grad_(False)
+    model.requires_grad_(False).eval()
+    model.fuse_projections()
+    return model

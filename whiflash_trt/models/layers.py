@@ -30,9 +30,21 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """One [gate; up] matrix; gate/up_proj become views into it (names and state_dict unchanged)."""
+        fused = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        n = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
+        self.gate_up_weight = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from whiflash_trt.config import ModelConfig
@@ -37,12 +38,32 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
+        self.qkv_weight: torch.Tensor | None = None  # set by TargetModel.fuse_projections
+
+    def fuse(self) -> None:
+        """One [q;k;v] matrix; q/k/v_proj become views into it, so names and state_dict stay the checkpoint's."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        fused = torch.cat([p.weight for p in projs])
+        bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight = nn.Parameter(fused[start:start + n], requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+            start += n
+        self.qkv_weight, self.qkv_bias = fused, bias
 
     def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], -1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -75,6 +96,12 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+
+    def fuse_projections(self) -> None:
+        """Inference-only: one matmul for q/k/v and one for gate/up per layer (fewer, larger weight streams)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(
         self,

@@ -1,0 +1,95 @@
+"""Micro-benchmark: one target step (q new tokens on a cached context) of our forward vs transformers', A/B
+interleaved in rounds on the same weights, for bf16 and fp32 and q = 1, 2, 8, 16.
+
+    python scripts/bench_target_step.py [--context 256] [--rounds 7] [--iters 10]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def hf_model(ckpt, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = ckpt.config
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope.theta,
+                         max_position_embeddings=cfg.max_position_embeddings,
+                         tie_word_embeddings=cfg.tie_word_embeddings)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_cfg)
+    state = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v.to(dtype)
+             for k, v in ckpt.state_dict.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg)
+    return model.eval()
+
+
+def main() -> None:
+    from transformers import DynamicCache
+
+    from whiflash_trt.builder.sources import load_checkpoint, resolve_target
+    from whiflash_trt.models.checkpoints import instantiate_target
+    from whiflash_trt.runtime.kv_cache import BlockAllocator, KVLayout, KVPool
+    from whiflash_trt.runtime.sequence import Sequence
+    from whiflash_trt.runtime.target_runner import TargetRunner
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    ckpt = load_checkpoint(resolve_target("smollm2-135m"))
+    cfg = ckpt.config
+    prompt = torch.randint(0, cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, context {args.context}")
+    print("dtype  q   ours ms  hf ms   hf/ours   ours(q)/ours(1)")
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = instantiate_target(ckpt, dtype)
+        hf = hf_model(ckpt, dtype)
+        layout = KVLayout("target", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        alloc = BlockAllocator(64)
+        runner = TargetRunner(ours, KVPool(layout, 64, 16))
+        seq = Sequence(prompt, alloc, 16)
+        seq.reserve(args.context + 32)
+        with torch.inference_mode():
+            runner.step(seq, prompt)
+            seq.commit(prompt, None)
+            cache = DynamicCache(config=hf.config)
+            hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        base = None
+        for q in (1, 2, 8, 16):
+            new = prompt[:q]
+
+            def run_ours():
+                runner.step(seq, new)
+
+            def run_hf():
+                with torch.inference_mode():
+                    hf(torch.tensor([new]), past_key_values=cache, use_cache=True)
+                    cache.crop(-q)
+
+            times = {"ours": [], "hf": []}
+            for fn in (run_ours, run_hf):
+                fn()  # warm-up
+            for _ in range(args.rounds):
+                for name, fn in (("ours", run_ours), ("hf", run_hf)):
+                    t = time.perf_counter()
+                    for _ in range(args.iters):
+                        fn()
+                    times[name].append((time.perf_counter() - t) / args.iters * 1000)
+            o, h = statistics.median(times["ours"]), statistics.median(times["hf"])
+            base = base or o
+            print(f"{str(dtype)[6:]:6} {q:2} {o:8.2f} {h:8.2f} {h / o:8.2f}x {o / base:10.2f}x")
+        alloc.free(seq.block_table)
+
+
+if __name__ == "__main__":
+    main()
