@@ -186,3 +186,34 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
+
+
+MODES = ("ar", "eagle3", "dflash", "whiflash")
+ROUTERS = ("entropy", "neural")
+CATCH_UP = ("lazy", "eager")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Which drafter(s) run and how. threshold None = the router's own default (from its weights file or the
+    built-in entropy default)."""
+    mode: str = "ar"
+    router: str = "entropy"
+    threshold: float | None = None
+    catch_up: str = "lazy"
+    tree_top_k: int = 4           # EAGLE-3 dynamic tree: children per expanded node (1 = a chain)
+    tree_depth: int = 5           # draft steps per round
+    tree_total_tokens: int = 16   # nodes verified per round, root (bonus) included
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; expected one of {', '.join(ROUTERS)}")
+        if self.catch_up not in CATCH_UP:
+            raise ValueError(f"unknown catch-up {self.catch_up!r}; expected one of {', '.join(CATCH_UP)}")
+        if self.threshold is not None and not math.isfinite(self.threshold):
+            raise ValueError(f"router threshold must be finite, got {self.threshold}")
+        if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_total_tokens < 2:
+            raise ValueError(f"tree needs top_k >= 1, depth >= 1, total_tokens >= 2; got {self.tree_top_k}, "
+                             f"{self.tree_depth}, {self.tree_total_tokens}")
