@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from whiflash_trt.config import CacheConfig, GenerationConfig, SamplingConfig
+from whiflash_trt.config import CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
@@ -26,10 +26,14 @@ def build_main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, type=Path, help="engine directory to write")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="KV cache block size (tokens)")
+    p.add_argument("--ar-drafter", type=Path, help="EAGLE-3 drafter (Hugging Face folder, public format)")
+    p.add_argument("--dllm-drafter", type=Path, help="DFlash drafter (Hugging Face folder, public format)")
+    p.add_argument("--router", type=Path, help="neural router weights (router.safetensors or its folder)")
     args = p.parse_args(argv)
     try:
         out = build_engine(BuildOptions(target=args.target, output=args.output, dtype=args.dtype,
-                                        block_size=args.block_size))
+                                        block_size=args.block_size, ar_drafter=args.ar_drafter,
+                                        dllm_drafter=args.dllm_drafter, router=args.router))
     except (WhiflashError, ValueError) as e:
         return _fail(str(e))
     print(f"engine written to {out}")
@@ -98,7 +102,15 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--mode", default="ar", choices=["ar"])
+    p.add_argument("--mode", default="ar", choices=list(MODES),
+                   help="ar: target only; eagle3 / dflash: one drafter; whiflash: routed per round")
+    p.add_argument("--router", default="entropy", choices=list(ROUTERS), help="whiflash routing policy")
+    p.add_argument("--threshold", type=float, help="router threshold (default: the engine's calibrated one)")
+    p.add_argument("--catch-up", default="lazy", choices=list(CATCH_UP),
+                   help="lazy: update a drafter only when chosen; eager: update both every round")
+    p.add_argument("--tree-top-k", type=int, default=SpecConfig.tree_top_k, help="EAGLE-3 tree branching (1 = chain)")
+    p.add_argument("--tree-depth", type=int, default=SpecConfig.tree_depth)
+    p.add_argument("--tree-total-tokens", type=int, default=SpecConfig.tree_total_tokens)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
@@ -122,14 +134,16 @@ def _run(args) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
                            sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k,
                                                    top_p=args.top_p, seed=args.seed))
-    cache_cfg = CacheConfig(memory_budget_bytes=args.kv_budget_mb * 2**20)
+    spec = SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold, catch_up=args.catch_up,
+                      tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                      tree_total_tokens=args.tree_total_tokens)
     prompts = _read_prompts(args)
     engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
-    engine = Engine.load(engine_dir, device=args.device, cache=cache_cfg, dtype=args.dtype)
+    engine = Engine.load(engine_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=args.kv_budget_mb * 2**20)
     for record in prompts:
         ids = engine.encode(record["prompt"], chat=args.chat, system=args.system)
         printer = _StreamPrinter(engine.decode) if args.stream and not args.json else None
-        result = engine.generate(ids, gen, on_tokens=printer)
+        result = engine.generate(ids, gen, on_tokens=printer, spec=spec)
         if args.json:
             print(json.dumps(result.to_json()), flush=True)
         elif printer is not None:

@@ -25,13 +25,16 @@ class TargetOutput:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Self-attention over a paged pool; `in_features` differs from hidden_size only for EAGLE-3's midlayer (2H)."""
+
+    def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        d_in = in_features or h
+        self.q_proj = nn.Linear(d_in, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=bias)
         self.qk_norm = cfg.architecture == "qwen3"
         if self.qk_norm:

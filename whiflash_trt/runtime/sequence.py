@@ -20,6 +20,9 @@ class Sequence:
         self.tokens: list[int] = []  # committed (= cached) tokens; prefill commits the prompt
         self.pending: int | None = None
         self.frontiers: dict[str, int] = {}
+        # Captured target features [K, F] of positions [features_start, N): the drafters' pending backlog.
+        self.features: torch.Tensor | None = None
+        self.features_start = 0
         self.block_table: list[int] = []
         self._allocator = allocator
         self._block_size = block_size
@@ -51,12 +54,34 @@ class Sequence:
         idx = torch.arange(start, end)
         return self._table[idx // self._block_size] * self._block_size + idx % self._block_size
 
-    def commit(self, tokens: list[int], pending: int | None) -> None:
-        """Append tokens whose target K/V already sit at slots [N, N + len(tokens)); set the next bonus token."""
+    def commit(self, tokens: list[int], pending: int | None, features: torch.Tensor | None = None,
+               frontiers: dict[str, int] | None = None) -> None:
+        """Append tokens whose target K/V already sit at slots [N, N + len(tokens)); set the next bonus token.
+
+        `features` [len(tokens), F] are their captured target features; `frontiers` are drafter frontiers the
+        round advanced. Features no drafter still needs are dropped.
+        """
         if self.num_committed + len(tokens) > self.capacity:
             raise IndexError("committing tokens beyond the reserved KV capacity")
+        if features is not None:
+            if features.shape[0] != len(tokens):
+                raise ValueError(f"{features.shape[0]} feature rows for {len(tokens)} tokens")
+            self.features = features if self.features is None else torch.cat([self.features, features])
         self.tokens += tokens
         self.pending = pending
+        self.frontiers.update(frontiers or {})
+        if self.features is not None and self.frontiers:
+            drop = min(self.frontiers.values()) - self.features_start
+            if drop > 0:
+                self.features = self.features[drop:]
+                self.features_start += drop
+
+    def features_between(self, start: int, end: int) -> torch.Tensor:
+        """Captured features of positions [start, end) (must still be in the backlog)."""
+        if self.features is None or start < self.features_start or end > self.num_committed:
+            raise IndexError(f"features of positions [{start}, {end}) are not in the backlog "
+                             f"[{self.features_start}, {self.num_committed})")
+        return self.features[start - self.features_start:end - self.features_start]
 
     def rollback(self, n: int) -> None:
         """Forget the last n committed tokens (a length change; their K/V are simply overwritten later)."""
@@ -65,6 +90,8 @@ class Sequence:
             raise ValueError(f"cannot roll back {n} tokens; {generated} generated")
         del self.tokens[len(self.tokens) - n:]
         self.pending = None
+        if self.features is not None:
+            self.features = self.features[:max(0, self.num_committed - self.features_start)]
         for name, frontier in self.frontiers.items():
             self.frontiers[name] = min(frontier, self.num_committed)
 

@@ -21,12 +21,14 @@ class TargetRunner:
 
     @torch.inference_mode()
     def step(self, seq: Sequence, tokens: list[int], depths: list[int] | None = None,
-             tree_mask: torch.Tensor | None = None, logits_rows: list[int] | None = None) -> TargetOutput:
+             tree_mask: torch.Tensor | None = None, logits_rows: list[int] | None = None,
+             capture: bool = False) -> TargetOutput:
         """Feed `tokens` at logical slots [kv_len, kv_len + T) where kv_len = seq.num_committed.
 
         Chain (default): token i is at position kv_len + i and sees everything before it.
         Tree: token i is at position kv_len + depths[i] and sees all context plus the nodes tree_mask[i] allows
-        ([T, T] bool, ancestors and itself). The caller must have reserved the slots.
+        ([T, T] bool, ancestors and itself). The caller must have reserved the slots. With `capture`, the outputs
+        of the drafters' layers (self.capture_layers) come back in TargetOutput.captured.
         """
         start, t = seq.num_committed, len(tokens)
         dev = self.device
@@ -41,4 +43,4 @@ class TargetRunner:
             mask[:, start:] = tree_mask.to(dev)
         rows = None if logits_rows is None else torch.tensor(logits_rows, device=dev)
         return self.model(torch.tensor(tokens, device=dev), positions, self.pool.k, self.pool.v, write, read, mask,
-                          self.capture_layers, rows)
+                          self.capture_layers if capture else (), rows)

@@ -1,0 +1,142 @@
+"""DFlash drafter: a few Qwen3-style layers that draft a whole block in one bidirectional forward.
+
+Context never runs through the layers: each layer's own k_proj/v_proj (+k_norm, RoPE) applied to
+hidden_norm(fc(target features)) gives the context K/V (written by KV-only prefill into the drafter's pool).
+A block [b, MASK x (B-1)] at positions N..N+B-1 attends to all context and to the whole block; outputs at slots
+1..B-1 predict the tokens at those positions through the target's (frozen) lm_head. No embedding or head of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from whiflash_trt.config import ModelConfig, RopeConfig
+from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, paged_attention
+from whiflash_trt.plugins.kv_prefill import kv_only_prefill
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]   # 0-based target layer outputs (HF hidden_states[id + 1])
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"DFlash block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("DFlash needs at least one target layer id")
+        if self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return tuple(self.target_layer_ids)
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(architecture="qwen3", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+                           rope=self.rope, attention_bias=self.attention_bias)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """round(1 + i * (L - 4) / (n - 1)) for i in 0..n-1 (the reference default)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_pool, v_pool, read_slots):
+        """Block x [B, H] attends to the context at read_slots and (bidirectionally) to itself."""
+        b = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(b, self.num_kv_heads, self.head_dim)
+        # The block's own K/V are scratch: append them after the gathered context instead of writing the pool.
+        ctx = read_slots.numel()
+        k_all = torch.cat([k_pool.index_select(0, read_slots), k])
+        v_all = torch.cat([v_pool.index_select(0, read_slots), v])
+        slots = torch.arange(ctx + b, device=x.device)
+        mask = torch.ones(b, ctx + b, dtype=torch.bool, device=x.device)
+        return self.o_proj(paged_attention(q, k_all, v_all, slots, mask, self.head_dim ** -0.5))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_pool, v_pool, read_slots):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, read_slots)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig, target_hidden_size: int, carries_mask_embedding: bool) -> None:
+        super().__init__()
+        self.config = cfg
+        lc = cfg.layer_config()
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(lc) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # A target whose embedding table has no spare row for mask_token_id: the drafter carries that row.
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if carries_mask_embedding else None
+        self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [B, H] embeddings of [b, MASK, ..., MASK]
+        positions: torch.Tensor,     # [B] N..N+B-1
+        k_cache: torch.Tensor,       # [num_layers, num_slots, kv_heads, head_dim] (context K/V, filled to N)
+        v_cache: torch.Tensor,
+        read_slots: torch.Tensor,    # [N] context slots in logical order
+    ) -> torch.Tensor:
+        """-> [B, H] final-norm hidden states; slots 1..B-1 go through the target's lm_head."""
+        x = block_embeds
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], read_slots)
+        return self.norm(x)
+
+    def kv_only(self, feats: torch.Tensor, positions: torch.Tensor):
+        """Context K/V of backlog positions from their target features: [L, T, kv, D] each."""
+        attn = [layer.self_attn for layer in self.layers]
+        cos, sin = self.rotary(positions, feats.dtype)
+        empty = feats.new_empty(feats.shape[0], 0)
+        return kv_only_prefill(feats, self.fc.weight, self.hidden_norm.weight, empty, empty[0],
+                               torch.stack([a.k_proj.weight for a in attn]),
+                               torch.stack([a.v_proj.weight for a in attn]),
+                               torch.stack([a.k_norm.weight for a in attn]), cos[:, 0], sin[:, 0],
+                               self.config.rms_norm_eps)

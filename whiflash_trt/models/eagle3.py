@@ -1,0 +1,110 @@
+"""EAGLE-3 drafter: fc over three target layers, one decoder "midlayer" on [embed(x); hidden], a draft-vocab head.
+
+Input at drafter position t is the pair (feature g_t, token x_{t+1}); its output predicts x_{t+2}. g_t is
+fc(target features at t) for context positions and the drafter's own output hidden state inside the draft tree.
+The embedding is the target's (frozen, not in the checkpoint); module names follow the public checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from whiflash_trt.config import ModelConfig, RopeConfig
+from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU
+from whiflash_trt.models.target import Attention
+from whiflash_trt.plugins.kv_prefill import kv_only_prefill
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int             # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    aux_layer_ids: tuple[int, ...]  # Hugging Face hidden_states indices (0 = embeddings) of the 3 target features
+
+    def __post_init__(self) -> None:
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"EAGLE-3 uses 3 target features, got aux layer ids {self.aux_layer_ids}")
+        if any(i < 1 for i in self.aux_layer_ids):
+            raise ValueError(f"aux layer ids are hidden_states indices >= 1, got {self.aux_layer_ids}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in (0, vocab_size {self.vocab_size}]")
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target layer indices (0-based layer outputs) whose outputs the drafter needs, low to high."""
+        return tuple(i - 1 for i in self.aux_layer_ids)
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(architecture="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+                           max_position_embeddings=self.max_position_embeddings, rope=self.rope)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        lc = cfg.layer_config()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(lc, in_features=2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,       # [T, H] target embeddings of the paired tokens x_{t+1}
+        hidden: torch.Tensor,       # [T, H] g_t: fc(features) or the drafter's own previous output
+        positions: torch.Tensor,    # [T]
+        k_cache: torch.Tensor,      # [1, num_slots, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        write_slots: torch.Tensor,  # [T]
+        read_slots: torch.Tensor,   # [S]
+        attn_mask: torch.Tensor,    # [T, S] bool
+    ) -> torch.Tensor:
+        """-> [T, H] output hidden state (before the final norm), fed back as g at the next draft depth."""
+        layer = self.midlayer
+        cos, sin = self.rotary(positions, hidden.dtype)
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        h = hidden + layer.self_attn(x, cos, sin, k_cache[0], v_cache[0], write_slots, read_slots, attn_mask)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, draft_vocab] log-probabilities over the draft vocabulary."""
+        return torch.log_softmax(self.lm_head(self.norm(out_hidden)).float(), dim=-1)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def kv_only(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor):
+        """Context K/V of positions whose (feature, next token) pairs are known: [1, T, kv, D] each."""
+        attn = self.midlayer.self_attn
+        cos, sin = self.rotary(positions, feats.dtype)
+        empty = feats.new_empty(1, 0)
+        return kv_only_prefill(feats, self.fc.weight, self.midlayer.hidden_norm.weight, embeds,
+                               self.midlayer.input_layernorm.weight, attn.k_proj.weight[None],
+                               attn.v_proj.weight[None], empty, cos[:, 0], sin[:, 0], self.config.rms_norm_eps)
