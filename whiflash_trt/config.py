@@ -179,6 +179,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()   # end like EOS, reason "stop" (kept in the output, as EOS is)
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:

@@ -25,6 +25,8 @@ class StopChecker:
         for i in range(first_new, len(output)):
             if output[i] in self.eos_ids:
                 return self._limit(i + 1, "eos")
+            if output[i] in self.gen.stop_token_ids:
+                return self._limit(i + 1, "stop")
         if self.gen.stop_strings:
             # The earliest token whose arrival completes a stop string (tokens may hold several characters).
             for i in range(first_new, len(output)):

@@ -1,0 +1,60 @@
+"""KV-only prefill writes exactly the K/V a full drafter forward writes for those positions."""
+from __future__ import annotations
+
+import torch
+
+from spec_fixtures import make_dflash, make_eagle3
+from whiflash_trt.config import ModelConfig, RopeConfig
+from whiflash_trt.models.layers import apply_rope
+from whiflash_trt.plugins.kv_prefill import kv_only_prefill_reference
+
+TARGET = ModelConfig(architecture="llama", vocab_size=120, hidden_size=64, intermediate_size=128, num_layers=8,
+                     num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
+                     rope=RopeConfig())
+
+
+def test_eagle3_kv_only_equals_full_midlayer_forward():
+    drafter = make_eagle3(TARGET).eval()
+    t = 13
+    torch.manual_seed(0)
+    feats, embeds = torch.randn(t, 3 * 64), torch.randn(t, 64)
+    positions = torch.arange(5, 5 + t)
+    k_pool, v_pool = torch.zeros(1, 64, 2, 16), torch.zeros(1, 64, 2, 16)
+    slots = torch.randperm(64)[:t]                       # scattered slots
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    with torch.no_grad():
+        drafter(embeds, drafter.fc(feats), positions, k_pool, v_pool, slots, slots, mask)
+        k, v = drafter.kv_only(feats, embeds, positions)
+    assert (k[0] - k_pool[0, slots]).abs().max() <= 1e-5
+    assert (v[0] - v_pool[0, slots]).abs().max() <= 1e-5
+
+
+def test_dflash_kv_only_equals_each_layers_context_projection():
+    drafter = make_dflash(TARGET).eval()
+    t = 11
+    torch.manual_seed(1)
+    feats = torch.randn(t, len(drafter.config.target_layer_ids) * 64)
+    positions = torch.arange(3, 3 + t)
+    with torch.no_grad():
+        k, v = drafter.kv_only(feats, positions)
+        h = drafter.hidden_norm(drafter.fc(feats))            # the reference: context through each layer's k/v
+        cos, sin = drafter.rotary(positions, h.dtype)
+        for i, layer in enumerate(drafter.layers):
+            a = layer.self_attn
+            k_ref = apply_rope(a.k_norm(a.k_proj(h).view(t, 2, 16)), cos, sin)
+            v_ref = a.v_proj(h).view(t, 2, 16)
+            assert (k[i] - k_ref).abs().max() <= 1e-5
+            assert (v[i] - v_ref).abs().max() <= 1e-5
+
+
+def test_custom_op_is_registered_and_matches_reference():
+    drafter = make_dflash(TARGET).eval()
+    args = (torch.randn(4, 128), drafter.fc.weight, drafter.hidden_norm.weight, torch.empty(4, 0), torch.empty(0),
+            torch.stack([l.self_attn.k_proj.weight for l in drafter.layers]),
+            torch.stack([l.self_attn.v_proj.weight for l in drafter.layers]),
+            torch.stack([l.self_attn.k_norm.weight for l in drafter.layers]),
+            torch.randn(4, 16), torch.randn(4, 16), 1e-6)
+    with torch.no_grad():
+        op = torch.ops.whiflash.kv_only_prefill(*args)
+        ref = kv_only_prefill_reference(*args)
+    assert all(torch.equal(a, b) for a, b in zip(op, ref))

@@ -1,0 +1,121 @@
+"""The central property: speculative greedy output equals target-only greedy output, token for token."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from spec_fixtures import spec_engine, spec_engine_dir  # noqa: F401  (fixtures)
+from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.runtime.drafters import Proposal
+from whiflash_trt.spec.tree import DraftTree
+
+SPECS = [
+    SpecConfig(mode="eagle3"),
+    SpecConfig(mode="eagle3", tree_top_k=1, tree_depth=4, tree_total_tokens=5),      # chain
+    SpecConfig(mode="eagle3", tree_top_k=3, tree_depth=3, tree_total_tokens=8),
+    SpecConfig(mode="dflash"),
+    SpecConfig(mode="whiflash", router="entropy", threshold=1.5),
+    SpecConfig(mode="whiflash", router="entropy", threshold=1.2, catch_up="eager"),
+    SpecConfig(mode="whiflash", router="neural", threshold=0.0),
+    SpecConfig(mode="whiflash", router="neural", threshold=0.2, catch_up="eager"),
+]
+
+
+def _prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.router}-{s.threshold}-{s.catch_up}-k{s.tree_top_k}")
+def test_every_mode_equals_target_only_greedy(spec_engine, spec):
+    vocab = spec_engine.target.config.vocab_size
+    for i, prompt in enumerate(_prompts(5, seed=len(SPECS) + spec.tree_top_k, vocab=vocab)):
+        gen = GenerationConfig(max_new_tokens=3 + 11 * i)
+        ref = spec_engine.generate(prompt, gen)
+        out = spec_engine.generate(prompt, gen, spec=spec)
+        assert out.token_ids == ref.token_ids, f"prompt {i}: {spec}"
+        assert out.finish_reason == ref.finish_reason
+        assert out.stats["new_tokens"] == len(ref.token_ids)
+    assert spec_engine.allocator.num_free == spec_engine.allocator.num_blocks
+
+
+def test_whiflash_routes_to_both_drafters_and_switches(spec_engine):
+    vocab = spec_engine.target.config.vocab_size
+    seen, switches = set(), 0
+    for prompt in _prompts(4, seed=7, vocab=vocab):
+        out = spec_engine.generate(prompt, GenerationConfig(max_new_tokens=40, ignore_eos=True),
+                                   spec=SpecConfig(mode="whiflash", threshold=1.5))
+        seen |= set(out.stats["rounds_per_drafter"])
+        switches += out.stats["switches"]
+    assert seen == {"eagle3", "dflash"} and switches > 0
+
+
+class OracleProposer:
+    """A drafter test double that knows the target's greedy continuation and proposes it with corruptions, as a
+    chain or as a tree whose correct child sits among decoys: it exercises long accepted blocks, tree compaction,
+    and EOS / the token limit landing inside an accepted block. Only verification and commit are under test."""
+
+    def __init__(self, name, reference: list[int], tree: bool, block: int, seed: int) -> None:
+        self.name, self.reference, self.tree, self.block = name, reference, tree, block
+        self.rng = random.Random(seed)
+        self.capture_layers = ()
+
+    def scratch_slots(self, spec):
+        return 0
+
+    def max_tree_tokens(self, spec):
+        return 3 * self.block + 1 if self.tree else self.block
+
+    def backlog(self, seq):
+        return 0
+
+    def catch_up(self, seq):
+        return seq.num_committed
+
+    def propose(self, seq, spec):
+        n_out = seq.num_committed - seq.num_prompt_tokens + 1   # output tokens so far, pending included
+        truth = self.reference[n_out:n_out + self.block - 1]
+        drafts = [t if self.rng.random() < 0.85 else (t + 1) % 50 for t in truth]
+        if not self.tree:
+            return Proposal(DraftTree.chain(seq.pending, drafts), seq.num_committed)
+        tokens, parents, depths, parent = [seq.pending], [-1], [0], 0
+        for d, tok in enumerate(drafts, 1):
+            decoys = [(tok + 3 + j) % 50 for j in range(2)]
+            order = [tok] + decoys
+            self.rng.shuffle(order)
+            nxt = None
+            for t in order:
+                tokens.append(t); parents.append(parent); depths.append(d)
+                if t == tok:
+                    nxt = len(tokens) - 1
+            parent = nxt
+        # flat order must list parents before children: it does (each level appended after its parent)
+        return Proposal(DraftTree(tokens, parents, depths), seq.num_committed)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_high_acceptance_with_stops_and_limit_inside_accepted_blocks(spec_engine, tree):
+    vocab = spec_engine.target.config.vocab_size
+    saved = dict(spec_engine.proposers)
+    taus = []
+    try:
+        for i, prompt in enumerate(_prompts(8, seed=11, vocab=vocab)):
+            long_ref = spec_engine.generate(prompt, GenerationConfig(max_new_tokens=60, ignore_eos=True))
+            spec_engine.proposers["dflash"] = OracleProposer("dflash", long_ref.token_ids, tree, block=7, seed=i)
+            # a stop token the target emits mid-way, so that it lands inside an accepted block
+            stop = long_ref.token_ids[17 + i]
+            cases = [GenerationConfig(max_new_tokens=m, ignore_eos=True) for m in (1, 2, 9, 23, 37)]
+            cases += [GenerationConfig(max_new_tokens=50, ignore_eos=True, stop_token_ids=(stop,)),
+                      GenerationConfig(max_new_tokens=50)]
+            for gen in cases:
+                ref = spec_engine.generate(prompt, gen)
+                out = spec_engine.generate(prompt, gen, spec=SpecConfig(mode="dflash"))
+                assert out.token_ids == ref.token_ids, (i, gen)
+                assert out.finish_reason == ref.finish_reason
+                taus.append(out.stats["tau"])
+            assert ref.token_ids[-1] == stop and ref.finish_reason == "stop"
+    finally:
+        spec_engine.proposers.clear()
+        spec_engine.proposers.update(saved)
+    assert sum(taus) / len(taus) > 2.0, "the oracle must be accepted for several tokens per round"
