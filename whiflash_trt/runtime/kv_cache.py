@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from whiflash_trt.errors import WhiflashError
 
-class KVCacheExhausted(RuntimeError):
+
+class KVCacheExhausted(WhiflashError):
     """Raised before anything is written when a request needs more KV blocks than are free."""
 
 
