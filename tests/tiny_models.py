@@ -91,7 +91,9 @@ def make_tiny_checkpoint(folder: str | Path, architecture: str = "llama", seed: 
     rope_parameters, max_position_embeddings, eos_token_id, ...). The same seed and overrides give the same weights.
     """
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     folder = Path(folder)
     tokenizer = make_tokenizer()
     overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
