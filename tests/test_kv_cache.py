@@ -90,7 +90,7 @@ def test_rollback_shortens_the_sequence_and_clamps_frontiers():
 @pytest.mark.parametrize("path", [[0, 2, 5], [1, 2, 3], [3], [0, 1, 2], [2, 3, 6, 7]])
 def test_compaction_moves_accepted_tree_nodes_to_contiguous_slots(path):
     allocator = BlockAllocator(16)
-    allocator.free([b for b in allocator.allocate(16)][::-1])  # hand out high ids first: table 15, 14, ...
+    allocator.free(allocator.allocate(16))        # freed in order: now handed out 15, 14, ...
     seq = Sequence([1, 2, 3, 4, 5], allocator, BS)
     seq.reserve(5 + 8)
     seq.commit([1, 2, 3, 4, 5], 0)
@@ -218,33 +218,38 @@ class CallbackFailed(Exception):
     pass
 
 
+class FailingConsumer:
+    """A streaming consumer that fails once it has seen 5 tokens."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, ids: list[int]) -> None:
+        self.seen += len(ids)
+        if self.seen >= 5:
+            raise CallbackFailed
+
+
 def test_engine_returns_every_block_after_finished_and_failed_requests(tiny_engine):
     engine_dir = tiny_engine("llama")
     # 2 KV heads x 16 dims x 3 layers x K,V x fp32: 768 bytes per token; 12 blocks of 4 tokens = 48 slots in all
     engine = Engine.load(engine_dir, cache=CacheConfig(block_size=4, memory_budget_bytes=12 * 4 * 768))
     allocator = engine.allocator
     assert allocator.num_blocks == 12
-
-    def raise_at_5(ids, seen=[]):
-        seen += ids
-        if len(seen) >= 5:
-            seen.clear()
-            raise CallbackFailed
-
-    requests = [  # (prompt length, max_new_tokens, on_tokens, expected outcome)
-        (10, 20, None, "ok"),
-        (30, 30, None, KVCacheExhausted),     # prefill fits, exhausted mid-generation
-        (60, 1, None, KVCacheExhausted),      # prefill alone does not fit
-        (40, 8, None, "ok"),                  # exactly the 48 slots (the last token is never cached)
-        (5, 30, raise_at_5, CallbackFailed),  # the streaming consumer fails mid-generation
-        (0, 5, None, WhiflashError),          # empty prompt, refused before any allocation
+    requests = [  # (prompt length, max_new_tokens, expected outcome)
+        (10, 20, "ok"),
+        (30, 30, KVCacheExhausted),     # prefill fits, exhausted mid-generation
+        (60, 1, KVCacheExhausted),      # prefill alone does not fit
+        (40, 8, "ok"),                  # exactly the 48 slots (the last new token is never cached)
+        (5, 30, CallbackFailed),        # the streaming consumer fails mid-generation
+        (0, 5, WhiflashError),          # empty prompt, refused before any allocation
     ]
     rng = random.Random(0)
     for _ in range(2):
-        for length, max_new, on_tokens, expected in requests:
+        for length, max_new, expected in requests:
             prompt = [rng.randrange(3, engine.target.config.vocab_size) for _ in range(length)]
             streamed = []
-            callback = on_tokens or streamed.extend
+            callback = FailingConsumer() if expected is CallbackFailed else streamed.extend
             gen = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
             if expected == "ok":
                 assert len(engine.generate(prompt, gen, on_tokens=callback).token_ids) == max_new
