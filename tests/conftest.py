@@ -14,6 +14,12 @@ from tiny_models import VARIANTS, build_tiny_engine, make_tiny_checkpoint
 torch.set_num_threads(1)
 
 
+def pytest_report_header(config) -> str:
+    import whiflash_trt
+
+    return f"whiflash_trt imported from {Path(whiflash_trt.__file__).parent}"
+
+
 class _Store:
     """Builds each (variant, overrides) once under one session temp folder."""
 

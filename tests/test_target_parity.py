@@ -55,9 +55,10 @@ class Setup:
             out = self.hf(torch.tensor([self.tokens]), output_hidden_states=True, use_cache=True)
         self.hf_logits = out.logits[0]                          # [T, vocab]
         self.hf_hidden = [h[0] for h in out.hidden_states]      # num_layers + 1 of [T, hidden]
+        cache = out.cache if "cache" in out else out.past_key_values  # renamed in transformers 5
         # per layer [T, kv_heads, head_dim], keys after RoPE like our pool
-        self.hf_keys = [layer.keys[0].transpose(0, 1) for layer in out.cache.layers]
-        self.hf_values = [layer.values[0].transpose(0, 1) for layer in out.cache.layers]
+        self.hf_keys = [layer.keys[0].transpose(0, 1) for layer in cache.layers]
+        self.hf_values = [layer.values[0].transpose(0, 1) for layer in cache.layers]
         self.seq = Sequence(self.tokens[:PROMPT_LEN], scattered_allocator(seed=7), BLOCK_SIZE)
 
 
