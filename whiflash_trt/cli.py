@@ -56,8 +56,12 @@ def default_engine(cache_dir: Path) -> Path:
 def _read_prompts(args) -> list[dict]:
     if args.prompts_file is None:
         return [{"prompt": args.prompt}]
+    try:
+        lines = Path(args.prompts_file).read_text().splitlines()
+    except OSError as e:
+        raise WhiflashError(f"cannot read the prompts file {args.prompts_file}: {e.strerror or e}") from None
     prompts = []
-    for n, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:

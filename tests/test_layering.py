@@ -1,0 +1,46 @@
+"""The dependency rule of the package layout: models and spec build on config/errors only, runtime does not reach
+into the builder, and nothing imports the CLI."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import whiflash_trt
+
+PACKAGE = Path(whiflash_trt.__file__).parent
+
+
+def imports(path: Path) -> set[str]:
+    """Every whiflash_trt module a file imports (top-level or lazy), relative imports resolved."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) + 1 - node.level]) if node.level else ""
+            name = ".".join(p for p in (base, node.module) if p)
+            if name == "whiflash_trt" or node.module is None:  # `from whiflash_trt import config`, `from . import x`
+                found |= {f"{name}.{alias.name}" for alias in node.names}
+            else:
+                found.add(name)
+    return {m for m in found if m == "whiflash_trt" or m.startswith("whiflash_trt.")}
+
+
+def test_package_layers_import_only_downwards():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 10
+    problems = []
+    for path in files:
+        layer = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        for m in imports(path):
+            sub = m.split(".")[1] if "." in m else ""
+            if sub == "cli" and layer != "cli":
+                problems.append(f"{path.name}: imports {m} (nothing imports the CLI)")
+            if layer in ("models", "spec") and sub not in ("config", "errors", layer):
+                problems.append(f"{layer}/{path.name}: imports {m} ({layer} may use config, errors, {layer})")
+            if layer == "runtime" and sub == "builder":
+                problems.append(f"runtime/{path.name}: imports {m} (runtime must not depend on the builder)")
+    assert not problems, "\n".join(problems)
