@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from whiflash_trt.config import CacheConfig, GenerationConfig
+from whiflash_trt.builder.build import BuildOptions, build_engine
+from whiflash_trt.config import GenerationConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.kv_cache import (BlockAllocator, KVCacheExhausted, KVLayout, KVPool,
@@ -230,10 +231,11 @@ class FailingConsumer:
             raise CallbackFailed
 
 
-def test_engine_returns_every_block_after_finished_and_failed_requests(tiny_engine):
-    engine_dir = tiny_engine("llama")
+def test_engine_returns_every_block_after_finished_and_failed_requests(tiny_checkpoint, tmp_path):
+    engine_dir = build_engine(BuildOptions(target=str(tiny_checkpoint("llama")), output=tmp_path / "engine",
+                                           dtype="fp32", block_size=4, show_progress=False))
     # 2 KV heads x 16 dims x 3 layers x K,V x fp32: 768 bytes per token; 12 blocks of 4 tokens = 48 slots in all
-    engine = Engine.load(engine_dir, cache=CacheConfig(block_size=4, memory_budget_bytes=12 * 4 * 768))
+    engine = Engine.load(engine_dir, kv_budget_bytes=12 * 4 * 768)
     allocator = engine.allocator
     assert allocator.num_blocks == 12
     requests = [  # (prompt length, max_new_tokens, expected outcome)

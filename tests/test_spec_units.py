@@ -1,0 +1,125 @@
+"""Unit tests of the backend-free speculative math: trees, greedy verification, node selection, routers."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spec_fixtures import spec_engine, spec_engine_dir  # noqa: F401  (fixtures)
+from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.errors import WhiflashError
+from whiflash_trt.spec.router import EntropyRouter, NeuralRouter, RouterMLP, RouteSignal, entropy_of
+from whiflash_trt.spec.tree import DraftTree, select_nodes
+from whiflash_trt.spec.verify import verify_greedy
+
+
+def _logits(choices: list[int], vocab: int = 10) -> torch.Tensor:
+    out = torch.zeros(len(choices), vocab)
+    out[torch.arange(len(choices)), torch.tensor(choices)] = 5.0
+    return out
+
+
+def test_greedy_tree_walk_follows_the_target_choice_among_siblings():
+    #        0(b)
+    #      /   |   \
+    #    1:4  2:7  3:9        the target picks 7 at the root, then 2 at node 2, then 5 at node 5
+    #          |     \
+    #         4:1    5:2 (child of 2)  6:3 (child of 5)
+    tree = DraftTree(tokens=[0, 4, 7, 9, 1, 2, 3], parents=[-1, 0, 0, 0, 2, 2, 5], depths=[0, 1, 1, 1, 2, 2, 3])
+    v = verify_greedy(tree, _logits([7, 0, 2, 0, 0, 8, 0]))
+    assert v.path == [0, 2, 5] and v.tokens == [0, 7, 2] and v.bonus == 8 and v.num_accepted == 2
+
+
+def test_greedy_chain_stops_at_first_mismatch():
+    tree = DraftTree.chain(3, [1, 2, 6])
+    v = verify_greedy(tree, _logits([1, 2, 5, 0]))
+    assert v.tokens == [3, 1, 2] and v.bonus == 5
+    assert verify_greedy(tree, _logits([1, 2, 6, 4])).bonus == 4          # all accepted: bonus after the last
+
+
+def test_tree_mask_is_ancestors_and_self():
+    tree = DraftTree(tokens=[0, 1, 2, 3], parents=[-1, 0, 0, 1], depths=[0, 1, 1, 2])
+    assert tree.mask().int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert DraftTree.chain(0, [1, 2]).mask().equal(torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def test_tree_rejects_children_before_parents():
+    with pytest.raises(ValueError):
+        DraftTree(tokens=[0, 1, 2], parents=[-1, 2, 0], depths=[0, 2, 1])
+
+
+def test_selected_nodes_always_include_their_ancestors():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randrange(1, 30)
+        parents, depths, scores = [], [], []
+        for i in range(n):
+            p = rng.randrange(-1, i) if i else -1
+            parents.append(p)
+            depths.append(1 if p < 0 else depths[p] + 1)
+            step = -rng.choice([0.0, 0.0, rng.random()])               # ties on purpose (log-prob 0)
+            scores.append(step if p < 0 else scores[p] + step)
+        chosen = select_nodes(scores, depths, rng.randrange(1, n + 1))
+        for c in chosen:
+            assert parents[c] == -1 or parents[c] in chosen
+        assert [depths[c] for c in chosen] == sorted(depths[c] for c in chosen)
+
+
+def test_entropy_router_smooths_and_thresholds():
+    h = torch.zeros(4)
+    r = EntropyRouter(threshold=1.0, alpha=0.5)
+    # smoothed: 0.2, 1.1, 1.55, 0.825, 0.4625 -> one high-entropy round alone does not flip a low streak
+    assert [r.choose(RouteSignal(e, h)) for e in (0.2, 2.0, 2.0, 0.1, 0.1)] == [
+        "dflash", "eagle3", "eagle3", "dflash", "dflash"]
+    r = EntropyRouter(threshold=1.0, alpha=0.5)
+    assert [r.choose(RouteSignal(e, h)) for e in (0.2, 1.6)] == ["dflash", "dflash"]   # (0.2 + 1.6) / 2 = 0.9
+
+
+def test_entropy_of_uniform_and_peaked():
+    assert abs(entropy_of(torch.zeros(8)) - torch.log(torch.tensor(8.0)).item()) < 1e-5
+    assert entropy_of(torch.tensor([100.0, 0.0, 0.0])) < 1e-6
+
+
+def test_neural_router_threshold_decides():
+    mlp = RouterMLP(4, 3)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.zero_()
+        mlp.fc2.bias.fill_(0.7)                          # predicts dAL = 0.7 everywhere
+    h = torch.randn(4)
+    assert NeuralRouter(mlp, 0.5).choose(RouteSignal(0.0, h)) == "dflash"
+    assert NeuralRouter(mlp, 0.9).choose(RouteSignal(0.0, h)) == "eagle3"
+
+
+def test_neural_router_without_weights_is_a_clear_error(spec_engine):
+    saved = spec_engine.router_file
+    spec_engine.router_file = None
+    try:
+        with pytest.raises(WhiflashError, match="--router neural needs router weights"):
+            spec_engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=2),
+                                 spec=SpecConfig(mode="whiflash", router="neural"))
+    finally:
+        spec_engine.router_file = saved
+
+
+def test_mode_without_its_drafter_is_a_clear_error(spec_engine):
+    saved = dict(spec_engine.proposers)
+    del spec_engine.proposers["dflash"]
+    try:
+        with pytest.raises(WhiflashError, match="needs the dflash drafter.*--dllm-drafter"):
+            spec_engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=2), spec=SpecConfig(mode="whiflash"))
+    finally:
+        spec_engine.proposers.update(saved)
+
+
+def test_no_blocks_leak_across_hundreds_of_mixed_requests(spec_engine):
+    rng = random.Random(1)
+    vocab = spec_engine.target.config.vocab_size
+    specs = [SpecConfig("ar"), SpecConfig("eagle3"), SpecConfig("eagle3", tree_top_k=1, tree_total_tokens=4),
+             SpecConfig("dflash"), SpecConfig("whiflash", "entropy", 1.5), SpecConfig("whiflash", "neural", 0.1),
+             SpecConfig("whiflash", "entropy", 1.5, "eager")]
+    for i in range(210):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 12))]
+        spec_engine.generate(prompt, GenerationConfig(max_new_tokens=rng.randrange(1, 8)), spec=specs[i % len(specs)])
+        assert spec_engine.allocator.num_free == spec_engine.allocator.num_blocks
