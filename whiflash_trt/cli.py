@@ -39,6 +39,9 @@ def build_main(argv: list[str] | None = None) -> int:
     t.add_argument("--triton-instances", type=int, default=1, help="model instances (requests served at once)")
     t.add_argument("--triton-device", default="cpu", help="device the served engine runs on (cpu, cuda, cuda:1)")
     t.add_argument("--triton-kv-budget-mb", type=int, default=256, help="KV memory of each instance")
+    t.add_argument("--triton-torch-threads", type=int, default=0,
+                   help="torch intra-op threads of each instance (0: torch's default, all cores; on a CPU server "
+                        "with N instances, cores / N)")
     args = p.parse_args(argv)
     if args.target is not None and args.output is None:
         p.error("--target needs --output (the engine directory to write)")
@@ -53,7 +56,8 @@ def build_main(argv: list[str] | None = None) -> int:
         if args.triton_repo is not None:
             repo = write_triton_repo(TritonRepoOptions(
                 engine_dir=engine_dir, output=args.triton_repo, instance_count=args.triton_instances,
-                device=args.triton_device, kv_budget_mb=args.triton_kv_budget_mb))
+                device=args.triton_device, kv_budget_mb=args.triton_kv_budget_mb,
+                torch_threads=args.triton_torch_threads))
             print(f"Triton model repository written to {repo} (serve it with whiflash-serve --triton-repo {repo})")
     except (WhiflashError, ValueError) as e:
         return _fail(str(e))

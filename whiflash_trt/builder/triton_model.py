@@ -9,6 +9,7 @@ import inspect
 import json
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from whiflash_trt.config import CacheConfig, GenerationConfig, SamplingConfig, SpecConfig
@@ -95,6 +96,8 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("the whiflash model must be decoupled (streaming)")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        if int(params.get("torch_threads", "0")) > 0:  # several instances on one CPU share its cores
+            torch.set_num_threads(int(params["torch_threads"]))
         cache = CacheConfig(memory_budget_bytes=int(params.get("kv_budget_mb", "256")) * 2**20)
         self.engine = Engine.load(params["engine_dir"], device=params.get("device", "cpu"), cache=cache)
         # The speculative runtime adds `spec=` to generate; an older runtime serves target-only decoding.
