@@ -282,6 +282,8 @@ def test_eight_concurrent_clients_each_get_their_own_answer(server):
 
 @pytest.mark.parametrize("inputs, message", [
     (dict(text=None), "text_input is required"),
+    (dict(text=""), "prompt is empty"),
+    (dict(extra={"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_)}), "batch"),
     (dict(max_tokens=None), "max_tokens is required"),
     (dict(max_tokens=-3), "max_tokens must be a positive integer"),
     (dict(extra={"max_tokens": _array(1.5, np.float32)}), "data-type"),
@@ -289,7 +291,7 @@ def test_eight_concurrent_clients_each_get_their_own_answer(server):
     (dict(extra={"temperature": _array(-1.0, np.float32)}), "temperature must be >= 0"),
     (dict(extra={"mode": _array(b"warp", np.object_)}), "unknown mode"),
     (dict(text=PROMPTS[0] * 100), "context"),
-], ids=["missing_text_input", "missing_max_tokens", "negative_max_tokens", "max_tokens_as_float",
+], ids=["missing_text_input", "empty_text_input", "batch_of_two", "missing_max_tokens", "negative_max_tokens", "max_tokens_as_float",
         "text_input_as_int", "negative_temperature", "unknown_mode", "prompt_longer_than_context"])
 def test_malformed_request_gets_an_error_and_the_server_keeps_serving(server, inputs, message):
     reply = grpc_generate(server.grpc_url, make_inputs(**{"text": PROMPTS[0], **inputs}))
