@@ -19,25 +19,79 @@ def _fail(message: str) -> int:
 
 def build_main(argv: list[str] | None = None) -> int:
     from whiflash_trt.builder.build import BuildOptions, build_engine
+    from whiflash_trt.builder.triton_repo import TritonRepoOptions, write_triton_repo
 
-    p = argparse.ArgumentParser(prog="whiflash-build", description="Compile a target into a whiflash engine directory.")
-    p.add_argument("--target", required=True, help="named target (e.g. smollm2-135m, llama3-8b) or a path to a "
-                                                   "Hugging Face folder or .gguf file")
-    p.add_argument("--output", required=True, type=Path, help="engine directory to write")
+    p = argparse.ArgumentParser(
+        prog="whiflash-build", description="Compile a target into a whiflash engine directory and/or write a Triton "
+        "model repository serving an engine.",
+        epilog="Examples: whiflash-build --target smollm2-135m --output ENGINE [--triton-repo REPO]  |  "
+               "whiflash-build --engine ENGINE --triton-repo REPO (repository for an existing engine)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--target", help="named target (e.g. smollm2-135m, llama3-8b) or a path to a Hugging Face "
+                                      "folder or .gguf file; needs --output")
+    src.add_argument("--engine", type=Path, help="an existing engine directory (with --triton-repo)")
+    p.add_argument("--output", type=Path, help="engine directory to write (with --target)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="KV cache block size (tokens)")
     p.add_argument("--ar-drafter", type=Path, help="EAGLE-3 drafter (Hugging Face folder, public format)")
     p.add_argument("--dllm-drafter", type=Path, help="DFlash drafter (Hugging Face folder, public format)")
     p.add_argument("--router", type=Path, help="neural router weights (router.safetensors or its folder)")
+    t = p.add_argument_group("Triton model repository")
+    t.add_argument("--triton-repo", type=Path, help="write a Triton model repository (models `ensemble` and "
+                                                    "`whiflash`) serving the engine; see docs/triton.md")
+    t.add_argument("--triton-instances", type=int, default=1, help="model instances (requests served at once)")
+    t.add_argument("--triton-device", default="cpu", help="device the served engine runs on (cpu, cuda, cuda:1)")
+    t.add_argument("--triton-kv-budget-mb", type=int, default=256, help="KV memory of each instance")
+    t.add_argument("--triton-torch-threads", type=int, default=0,
+                   help="torch intra-op threads of each instance (0: torch's default, all cores; on a CPU server "
+                        "with N instances, cores / N)")
     args = p.parse_args(argv)
+    if args.target is not None and args.output is None:
+        p.error("--target needs --output (the engine directory to write)")
+    if args.engine is not None and (args.triton_repo is None or args.output is not None):
+        p.error("--engine writes a Triton repository for an existing engine: give --triton-repo and no --output")
     try:
-        out = build_engine(BuildOptions(target=args.target, output=args.output, dtype=args.dtype,
-                                        block_size=args.block_size, ar_drafter=args.ar_drafter,
-                                        dllm_drafter=args.dllm_drafter, router=args.router))
+        engine_dir = args.engine
+        if args.target is not None:
+            engine_dir = build_engine(BuildOptions(target=args.target, output=args.output, dtype=args.dtype,
+                                                   block_size=args.block_size, ar_drafter=args.ar_drafter,
+                                                   dllm_drafter=args.dllm_drafter, router=args.router))
+            print(f"engine written to {engine_dir}")
+        if args.triton_repo is not None:
+            repo = write_triton_repo(TritonRepoOptions(
+                engine_dir=engine_dir, output=args.triton_repo, instance_count=args.triton_instances,
+                device=args.triton_device, kv_budget_mb=args.triton_kv_budget_mb,
+                torch_threads=args.triton_torch_threads))
+            print(f"Triton model repository written to {repo} (serve it with whiflash-serve --triton-repo {repo})")
     except (WhiflashError, ValueError) as e:
         return _fail(str(e))
-    print(f"engine written to {out}")
     return 0
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    from whiflash_trt.serve import LOOPBACK, ServerOptions, check_python, exec_server
+
+    p = argparse.ArgumentParser(
+        prog="whiflash-serve", description="Start Triton Inference Server (nvidia-pytriton's bundled binary) on a "
+        "model repository written by whiflash-build --triton-repo. Arguments after `--` go to tritonserver.")
+    p.add_argument("--triton-repo", required=True, type=Path, help="model repository")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--address", default=LOOPBACK, help="address the server binds to (default: loopback only)")
+    p.add_argument("--backends-dir", type=Path, default=DEFAULT_CACHE_DIR / "triton-backends",
+                   help="where the backend folder (links into nvidia-pytriton plus the Python stub) is prepared")
+    p.add_argument("server_args", nargs="*", help="extra tritonserver arguments (after --)")
+    args = p.parse_args(argv)
+    try:
+        opts = ServerOptions(model_repository=args.triton_repo, http_port=args.http_port, grpc_port=args.grpc_port,
+                             address=args.address, extra_args=tuple(args.server_args))
+        warning = check_python()
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+        exec_server(opts, args.backends_dir)
+    except (WhiflashError, ValueError, OSError) as e:
+        return _fail(str(e))
+    return 0  # not reached: exec_server replaces this process
 
 
 def default_engine(cache_dir: Path) -> Path:

@@ -1,0 +1,99 @@
+"""What one speculative round costs on this CPU, split into draft and verify, with random-weight drafters of the
+sizes we intend to train for the embedded SmolLM2-135M target; and the KV-only catch-up cost per backlog token.
+
+    python scripts/bench_round_costs.py [--dflash-layers 2] [--block-size 8] [--draft-vocab 8192] [--tokens 48]
+
+Random drafters accept almost nothing (tau ~ 1), so a round here is one draft plus one verify of the full tree or
+block: exactly the cost a trained drafter pays per round. Divide by the ar step time to see the tau each needs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from whiflash_trt.config import CacheConfig, GenerationConfig, RopeConfig, SpecConfig
+from whiflash_trt.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from whiflash_trt.models.eagle3 import Eagle3Config, Eagle3Drafter
+from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.runtime.sequence import Sequence
+
+
+def drafters(target, args):
+    h, n = target.hidden_size, target.num_layers
+    torch.manual_seed(0)
+    eagle = Eagle3Drafter(Eagle3Config(h, target.intermediate_size, target.num_heads, target.num_kv_heads,
+                                       target.head_dim, target.rms_norm_eps, target.vocab_size, args.draft_vocab, h,
+                                       target.max_position_embeddings, RopeConfig(), (2, n // 2, n - 3)))
+    eagle.d2t.zero_()
+    dflash = DFlashDrafter(DFlashConfig(h, target.intermediate_size, args.dflash_layers, target.num_heads,
+                                        target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.vocab_size,
+                                        target.max_position_embeddings, RopeConfig(theta=target.rope.theta),
+                                        args.block_size, target.vocab_size,
+                                        default_target_layer_ids(n, args.dflash_layers)), h, True)
+    return eagle, dflash
+
+
+def per_round(engine, prompt, spec, tokens, repeats):
+    rows = []
+    for _ in range(repeats):
+        r = engine.generate(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=True), spec=spec)
+        rounds = max(r.stats["rounds"], 1)
+        rows.append({k: v / rounds * 1000 for k, v in r.stats["phase_seconds"].items()})
+    return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+
+
+def catch_up_ms(engine, proposer, backlog, repeats=5):
+    prompt = list(range(100, 100 + backlog + 2))
+    times = []
+    for _ in range(repeats):
+        seq = Sequence(prompt, engine.allocator, engine.block_size)
+        try:
+            seq.reserve(len(prompt) + 1)
+            out = engine.runner.step(seq, prompt, logits_rows=[len(prompt) - 1], capture=True)
+            seq.commit(prompt, 5, out.captured, {proposer.name: 0})
+            t = time.perf_counter()
+            proposer.catch_up(seq)
+            times.append((time.perf_counter() - t) * 1000)
+        finally:
+            seq.free()
+    return statistics.median(times)
+
+
+def main() -> None:
+    from whiflash_trt.cli import DEFAULT_CACHE_DIR, default_engine
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dflash-layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    base = Engine.load(default_engine(DEFAULT_CACHE_DIR))
+    eagle, dflash = drafters(base.target.config, args)
+    engine = Engine(base.target, base.tokenizer, base.manifest, CacheConfig(), eagle3=eagle, dflash=dflash)
+    prompt = engine.encode("Write a Python function that parses a CSV line into a list of fields.", chat=True)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype "
+          f"{engine.target.embed_tokens.weight.dtype}, prompt {len(prompt)} tokens")
+    specs = {"ar": SpecConfig("ar"),
+             "eagle3 tree k4 d5 n16": SpecConfig("eagle3", tree_top_k=4, tree_depth=5, tree_total_tokens=16),
+             "eagle3 chain d4": SpecConfig("eagle3", tree_top_k=1, tree_depth=4, tree_total_tokens=5),
+             f"dflash B={args.block_size} L={args.dflash_layers}": SpecConfig("dflash")}
+    engine.generate(prompt, GenerationConfig(max_new_tokens=8), spec=specs["ar"])  # warm-up
+    results = {name: per_round(engine, prompt, spec, args.tokens, args.repeats) for name, spec in specs.items()}
+    ar_ms = results["ar"]["verify"]
+    print(f"{'mode':28} {'draft ms':>9} {'verify ms':>10} {'round ms':>9} {'x ar step':>9}  tau to break even")
+    for name, r in results.items():
+        total = sum(r.values())
+        print(f"{name:28} {r['draft']:9.2f} {r['verify']:10.2f} {total:9.2f} {total / ar_ms:9.2f}  {total / ar_ms:.2f}")
+    for name, proposer in engine.proposers.items():
+        costs = {b: catch_up_ms(engine, proposer, b) for b in (1, 8, 32, 128)}
+        print(f"catch-up {name}: " + ", ".join(f"backlog {b}: {ms:.2f} ms ({ms / b:.3f} ms/token)"
+                                               for b, ms in costs.items()))
+
+
+if __name__ == "__main__":
+    main()
