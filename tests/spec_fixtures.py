@@ -1,4 +1,7 @@
-"""Tiny random target + drafters with matching shapes, built into a real engine directory (CPU, fp32)."""
+"""Tiny random target + drafters with matching shapes, built into a real engine directory (CPU, fp32).
+
+The target (8 layers, so the drafters' default feature layers are distinct) has larger-than-usual weights so its
+next-token entropy varies between ~0 and ~3 nats and the routers switch at thresholds in that range."""
 from __future__ import annotations
 
 import json
@@ -7,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_models import make_tokenizer
 from whiflash_trt.builder.build import BuildOptions, build_engine
 from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.models.dflash import DFlashConfig, DFlashDrafter
@@ -14,33 +18,12 @@ from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
 from whiflash_trt.models.eagle3 import Eagle3Config, Eagle3Drafter
 from whiflash_trt.spec.router import RouterMLP, save_router
 
-CORPUS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
-          '{"name": "get_weather", "arguments": {"city": "Paris"}}', "x = [i * i for i in range(10)]"] * 40
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def make_tokenizer(folder: Path, vocab_size: int = 300):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(folder))
-    return fast
-
-
 def make_target(folder: Path, seed: int = 0, num_layers: int = 8, max_positions: int = 512) -> ModelConfig:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(folder)
+    tok = make_tokenizer()
+    tok.save_pretrained(str(folder), save_jinja_files=False)
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,

@@ -116,8 +116,8 @@ class Engine:
         dflash = load_dflash(engine_dir / parts["dflash"]["path"], manifest.model) if "dflash" in parts else None
         router = (load_router(engine_dir / parts["router"]["path"], manifest.model.hidden_size)
                   if "router" in parts else None)
-        cache = CacheConfig(block_size=manifest.block_size, memory_budget_bytes=kv_budget_bytes
-                            or CacheConfig.memory_budget_bytes)
+        budget = CacheConfig.memory_budget_bytes if kv_budget_bytes is None else kv_budget_bytes
+        cache = CacheConfig(block_size=manifest.block_size, memory_budget_bytes=budget)
         return cls(target, load_tokenizer(engine_dir), manifest, cache, device, eagle3, dflash, router)
 
     # ----- text <-> tokens -------------------------------------------------------------------------------------
