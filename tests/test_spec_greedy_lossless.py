@@ -113,8 +113,10 @@ def test_high_acceptance_with_stops_and_limit_inside_accepted_blocks(spec_engine
                 out = spec_engine.generate(prompt, gen, spec=SpecConfig(mode="dflash"))
                 assert out.token_ids == ref.token_ids, (i, gen)
                 assert out.finish_reason == ref.finish_reason
-                taus.append(out.stats["tau"])
-            assert ref.token_ids[-1] == stop and ref.finish_reason == "stop"
+                if out.stats["rounds"]:
+                    taus.append(out.stats["tau"])
+                if gen.stop_token_ids:
+                    assert ref.token_ids[-1] == stop and ref.finish_reason == "stop"
     finally:
         spec_engine.proposers.clear()
         spec_engine.proposers.update(saved)

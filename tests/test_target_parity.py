@@ -121,14 +121,14 @@ def test_captured_layers_equal_transformers_hidden_states(tiny_checkpoint, varia
     s = Setup(tiny_checkpoint(variant), capture_layers=(0, 1))
     hidden = s.model.config.hidden_size
     s.seq.reserve(PROMPT_LEN)
-    out = s.runner.step(s.seq, s.tokens[:PROMPT_LEN])
+    out = s.runner.step(s.seq, s.tokens[:PROMPT_LEN], capture=True)
     assert out.captured.shape == (PROMPT_LEN, 2 * hidden)
     assert max_diff(out.captured[:, :hidden], s.hf_hidden[1][:PROMPT_LEN]) <= ATOL
     assert max_diff(out.captured[:, hidden:], s.hf_hidden[2][:PROMPT_LEN]) <= ATOL
 
     s.seq.commit(s.tokens[:PROMPT_LEN], s.tokens[PROMPT_LEN])
     s.seq.reserve(PROMPT_LEN + 1 + CHUNK)
-    out = s.runner.step(s.seq, s.tokens[PROMPT_LEN:PROMPT_LEN + 1 + CHUNK])
+    out = s.runner.step(s.seq, s.tokens[PROMPT_LEN:PROMPT_LEN + 1 + CHUNK], capture=True)
     assert max_diff(out.captured[:, hidden:], s.hf_hidden[2][PROMPT_LEN:]) <= ATOL
 
 
