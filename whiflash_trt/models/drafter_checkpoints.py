@@ -78,12 +78,17 @@ def eagle3_config(raw: dict, target: ModelConfig, where: Path) -> Eagle3Config:
     return cfg
 
 
-def load_eagle3(path: str | Path, target: ModelConfig) -> Eagle3Drafter:
+def _read_config(path: str | Path, parse, target: ModelConfig):
+    """(folder, parsed config); a config that fails its own validation is reported against its file."""
     where = _folder(path)
     try:
-        cfg = eagle3_config(read_json(where / "config.json"), target, where)
+        return where, parse(read_json(where / "config.json"), target, where)
     except ValueError as e:
         raise CheckpointError(f"{where / 'config.json'}: {e}") from None
+
+
+def load_eagle3(path: str | Path, target: ModelConfig) -> Eagle3Drafter:
+    where, cfg = _read_config(path, eagle3_config, target)
     raw = load_safetensors_dir(where)
     state = {}
     for k, v in raw.items():
@@ -147,11 +152,7 @@ def dflash_config(raw: dict, target: ModelConfig, where: Path) -> DFlashConfig:
 
 
 def load_dflash(path: str | Path, target: ModelConfig) -> DFlashDrafter:
-    where = _folder(path)
-    try:
-        cfg = dflash_config(read_json(where / "config.json"), target, where)
-    except ValueError as e:
-        raise CheckpointError(f"{where / 'config.json'}: {e}") from None
+    where, cfg = _read_config(path, dflash_config, target)
     state = {k.removeprefix("model."): v for k, v in load_safetensors_dir(where).items()}
     carries = cfg.mask_token_id >= target.vocab_size
     if carries and "mask_embedding" not in state:
