@@ -72,10 +72,16 @@ def WhiflashKVOnlyPrefill(feats, fc_weight, hidden_norm_weight, embeds, input_no
     kv_shape = op.Concat(op.Constant(value_ints=[0, 0, -1]), op.Shape(cos, start=1), axis=0)
     k = op.Reshape(op.MatMul(x, op.Transpose(k_weight, perm=[0, 2, 1])), kv_shape)
     v = op.Reshape(op.MatMul(x, op.Transpose(v_weight, perm=[0, 2, 1])), kv_shape)
-    if op.Size(k_norm_weight) > 0:                                       # per-head key norm (DFlash / Qwen3)
-        k_normed = _rms(k, op.Unsqueeze(k_norm_weight, op.Constant(value_ints=[1, 2])), eps)
-    else:
-        k_normed = op.Identity(k)
+    # Per-head key norm (DFlash / Qwen3) where k_norm_weight is [L, D]; EAGLE-3 passes [L, 0] and keeps k as is.
+    # Branch-free (an If would make onnxruntime infer shapes of the dead branch): pad the weight with ones to
+    # [L, D] either way, normalise, then select.
+    head_dim = op.Shape(cos, start=1)
+    ones = op.Expand(op.CastLike(op.Constant(value_float=1.0), k), op.Concat(op.Shape(k_norm_weight, end=1),
+                                                                             head_dim, axis=0))
+    weight = op.Slice(op.Concat(k_norm_weight, ones, axis=-1), op.Constant(value_ints=[0]), head_dim,
+                      op.Constant(value_ints=[-1]))
+    normed = _rms(k, op.Unsqueeze(weight, op.Constant(value_ints=[1, 2])), eps)
+    k_normed = op.Where(op.Size(k_norm_weight) > op.Constant(value_int=0), normed, k)
     axes = op.Constant(value_ints=[0, 2])
     c, s = op.Unsqueeze(cos, axes), op.Unsqueeze(sin, axes)                # [1, T, 1, D]
     first, second = op.Split(k_normed, num_outputs=2, axis=-1)

@@ -207,7 +207,7 @@ class Engine:
         stats = RoundStats()
         start = time.perf_counter()
         try:
-            signal = self._prefill(seq, gen, generator, capture=bool(proposers))
+            signal = self._prefill(seq, gen, generator, proposers)
             prefill_s = time.perf_counter() - start
             output, emitted = [seq.pending], 0
             decision = stopper.check(output, 1)
@@ -239,11 +239,13 @@ class Engine:
             return verify_greedy(tree, logits).bonus
         return verify_sampling(tree, target_probs(logits, gen.sampling), generator).bonus
 
-    def _prefill(self, seq: Sequence, gen: GenerationConfig, generator, capture: bool) -> RouteSignal:
+    def _prefill(self, seq: Sequence, gen: GenerationConfig, generator, proposers: dict) -> RouteSignal:
+        """Target over the prompt; every drafter of the mode starts at frontier 0 with the whole prompt as backlog
+        (its KV-only prefill runs when it is first chosen, or every round with eager catch-up)."""
         prompt = seq.prompt_ids
         seq.reserve(len(prompt))
-        out = self.runner.step(seq, prompt, logits_rows=[len(prompt) - 1], capture=capture)
-        seq.commit(prompt, self._choose(out.logits, gen, generator), out.captured)
+        out = self.runner.step(seq, prompt, logits_rows=[len(prompt) - 1], capture=bool(proposers))
+        seq.commit(prompt, self._choose(out.logits, gen, generator), out.captured, {name: 0 for name in proposers})
         return RouteSignal(entropy_of(out.logits[-1]), out.hidden[-1])
 
     def _round(self, seq, gen, spec, generator, proposers, router, signal, stats) -> tuple[RouteSignal, list[int]]:

@@ -27,6 +27,9 @@ class OnnxGraph:
         ort = import_onnxruntime()
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        # No busy-waiting between runs: the round loop runs torch ops between graph calls, and spinning
+        # onnxruntime threads would compete with torch's for the same cores.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if num_threads:
             options.intra_op_num_threads = num_threads
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
