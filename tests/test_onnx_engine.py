@@ -7,6 +7,7 @@ import random
 import pytest
 
 pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")  # the exporter
 
 from onnx_fixtures import manifest_json, tiny_engines  # noqa: E402
 

@@ -7,6 +7,7 @@ import torch
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")  # the exporter
 
 from onnx_fixtures import manifest_json, tiny_engines  # noqa: E402
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")  # the exporter
 
 from onnx_fixtures import tiny_engines  # noqa: E402
 
