@@ -5,6 +5,10 @@ EAGLE-3 / DFlash drafters so the speculative modes' per-round cost shows (their 
 then a cost measure, not a speedup).
 
     python scripts/bench_backends.py [--engine-dir /tmp/whiflash-bench] [--max-new-tokens 64] [--rounds 3]
+                                     [--threads N]
+
+--threads sets torch's intra-op threads, which the onnx backend follows too. On a machine shared with other jobs,
+1 thread measures the backends rather than OpenMP's behaviour under oversubscription.
 """
 from __future__ import annotations
 
@@ -70,7 +74,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--with-drafters", action="store_true")
+    ap.add_argument("--threads", type=int, help="intra-op threads of both backends (default: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     if not (args.engine_dir / "onnx" / "manifest.json").is_file():
         report.update(build(args.engine_dir, args.with_drafters))

@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from whiflash_trt.config import BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig, SpecConfig
+from whiflash_trt.config import (BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig,
+                                 SpecConfig)
 from whiflash_trt.errors import WhiflashError
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"

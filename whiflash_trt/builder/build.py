@@ -12,9 +12,9 @@ from tqdm import tqdm
 
 from whiflash_trt import __version__
 from whiflash_trt.builder.sources import load_checkpoint, load_tokenizer, resolve_target
+from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines, import_tensorrt
 from whiflash_trt.config import BACKENDS, CacheConfig, dtype_name, parse_dtype
 from whiflash_trt.manifest import ONNX_DIR, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256
-from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines, import_tensorrt
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.runtime.kv_cache import KVLayout

@@ -7,7 +7,8 @@ KV-only prefill exports as the single `trt.plugins::WhiflashKVOnlyPrefill` node 
 
 Graphs, inputs -> outputs (T new tokens, S keys read, NS pool slots, R logits rows; all dynamic; B static):
     target_step        input_ids[T] positions[T] k_cache,v_cache[L,NS,KV,D] write_slots[T] read_slots[S]
-                       attn_mask[T,S] logits_indices[R] -> logits[R,V] hidden[R,H] (captured[T,C*H]) k_new,v_new[L,T,KV,D]
+                       attn_mask[T,S] logits_indices[R]
+                       -> logits[R,V] hidden[R,H] (captured[T,C*H] when drafters need features) k_new,v_new[L,T,KV,D]
     target_embed       input_ids[T] -> embeds[T,H]
     target_lm_head     hidden[T,H] -> logits[T,V]
     eagle3_fc          feats[T,3H] -> hidden[T,H]
@@ -20,6 +21,8 @@ Graphs, inputs -> outputs (T new tokens, S keys read, NS pool slots, R logits ro
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import warnings
 from dataclasses import dataclass
@@ -206,6 +209,20 @@ def dflash_specs(drafter: DFlashDrafter) -> list[GraphSpec]:
     ]
 
 
+@contextlib.contextmanager
+def _quiet_exporter():
+    """Silence the exporter's progress lines, optional-op notices and tracing warnings."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def export_graph(spec: GraphSpec, folder: Path) -> dict:
     """Export one graph into folder/<name>.onnx (+ .onnx.data past 1.5 GB), check it, and describe it."""
     import onnx
@@ -214,11 +231,11 @@ def export_graph(spec: GraphSpec, folder: Path) -> dict:
 
     start = time.perf_counter()
     dims = _dims(spec.dynamic)
-    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
-        warnings.simplefilter("ignore")
+    with _quiet_exporter(), torch.inference_mode(False), torch.no_grad():
         program = torch.onnx.export(
             spec.module.eval(), spec.args, input_names=list(spec.inputs), output_names=list(spec.outputs),
-            dynamic_shapes=(dims,) if isinstance(spec.module, _Call) else dims, dynamo=True, opset_version=onnx_plugin.OPSET, optimize=True, verbose=False,
+            dynamic_shapes=(dims,) if isinstance(spec.module, _Call) else dims, dynamo=True,
+            opset_version=onnx_plugin.OPSET, optimize=True, verbose=False,
             custom_translation_table=onnx_plugin.custom_translation_table())
     proto = program.model_proto
     if onnx_plugin.plugin_nodes(proto):

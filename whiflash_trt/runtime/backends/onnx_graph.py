@@ -23,15 +23,15 @@ def import_onnxruntime():
 
 
 class OnnxGraph:
-    def __init__(self, path: Path, num_threads: int | None = None) -> None:
+    def __init__(self, path: Path) -> None:
         ort = import_onnxruntime()
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        # One knob for both backends: onnxruntime uses as many threads as torch is set to (torch.set_num_threads).
+        options.intra_op_num_threads = torch.get_num_threads()
         # No busy-waiting between runs: the round loop runs torch ops between graph calls, and spinning
         # onnxruntime threads would compete with torch's for the same cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if num_threads:
-            options.intra_op_num_threads = num_threads
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.name = Path(path).stem
