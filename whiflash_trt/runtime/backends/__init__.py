@@ -38,6 +38,8 @@ def load_graph_models(engine_dir: Path, manifest: Manifest, backend: str, device
     graphs = {name: _open_graph(backend, engine_dir / info["path"], info) for name, info in section["graphs"].items()}
     dtype = parse_dtype(manifest.dtype)
     target = GraphTarget(manifest.model, graphs, tuple(section["capture_layers"]), dtype, device)
+    # The drafters' configs and their small non-graph tensors (d2t map, DFlash mask row) come from the checkpoints
+    # the engine carries anyway; their weights are not used here.
     parts = manifest.components
     eagle3 = dflash = None
     if "eagle3" in parts:
