@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from whiflash_trt.config import CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig, SpecConfig
+from whiflash_trt.config import (BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig,
+                                 SpecConfig)
 from whiflash_trt.errors import WhiflashError
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
@@ -31,11 +32,15 @@ def build_main(argv: list[str] | None = None) -> int:
                                       "folder or .gguf file; needs --output")
     src.add_argument("--engine", type=Path, help="an existing engine directory (with --triton-repo)")
     p.add_argument("--output", type=Path, help="engine directory to write (with --target)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"],
+                   help="engine dtype (default: bf16; fp32 for --backend onnx, whose CPU runtime has no bf16)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="KV cache block size (tokens)")
     p.add_argument("--ar-drafter", type=Path, help="EAGLE-3 drafter (Hugging Face folder, public format)")
     p.add_argument("--dllm-drafter", type=Path, help="DFlash drafter (Hugging Face folder, public format)")
     p.add_argument("--router", type=Path, help="neural router weights (router.safetensors or its folder)")
+    p.add_argument("--backend", default="torch", choices=list(BACKENDS),
+                   help="torch: weights only; onnx: also ONNX graphs run by onnxruntime (needs --dtype fp32 on CPU); "
+                        "tensorrt: ONNX graphs + serialized TensorRT engines (needs tensorrt and a GPU)")
     t = p.add_argument_group("Triton model repository")
     t.add_argument("--triton-repo", type=Path, help="write a Triton model repository (models `ensemble` and "
                                                     "`whiflash`) serving the engine; see docs/triton.md")
@@ -53,9 +58,11 @@ def build_main(argv: list[str] | None = None) -> int:
     try:
         engine_dir = args.engine
         if args.target is not None:
-            engine_dir = build_engine(BuildOptions(target=args.target, output=args.output, dtype=args.dtype,
+            dtype = args.dtype or ("fp32" if args.backend == "onnx" else "bf16")
+            engine_dir = build_engine(BuildOptions(target=args.target, output=args.output, dtype=dtype,
                                                    block_size=args.block_size, ar_drafter=args.ar_drafter,
-                                                   dllm_drafter=args.dllm_drafter, router=args.router))
+                                                   dllm_drafter=args.dllm_drafter, router=args.router,
+                                                   backend=args.backend))
             print(f"engine written to {engine_dir}")
         if args.triton_repo is not None:
             repo = write_triton_repo(TritonRepoOptions(
@@ -173,6 +180,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", choices=list(BACKENDS), help="run the engine with this backend (default: the one it "
+                                                             "was built for; torch runs any engine)")
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where the default engine is built")
     return p
@@ -197,7 +206,8 @@ def _run(args) -> int:
                       tree_total_tokens=args.tree_total_tokens)
     prompts = _read_prompts(args)
     engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
-    engine = Engine.load(engine_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=args.kv_budget_mb * 2**20)
+    engine = Engine.load(engine_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=args.kv_budget_mb * 2**20,
+                         backend=args.backend)
     for record in prompts:
         ids = engine.encode(record["prompt"], chat=args.chat, system=args.system)
         printer = _StreamPrinter(engine.decode) if args.stream and not args.json else None

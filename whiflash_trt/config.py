@@ -190,6 +190,7 @@ class GenerationConfig:
 
 
 MODES = ("ar", "eagle3", "dflash", "whiflash")
+BACKENDS = ("torch", "onnx", "tensorrt")
 ROUTERS = ("entropy", "neural")
 CATCH_UP = ("lazy", "eager")
 

@@ -4,6 +4,8 @@
     ENGINE/target.safetensors the target's weights (our module names) in the engine dtype
     ENGINE/tokenizer/         tokenizer.json + tokenizer_config.json (chat template)
     ENGINE/<drafters, router> added by the speculative issue, listed under "components"
+    ENGINE/onnx/*.onnx        --backend onnx|tensorrt: exported graphs, listed with their signatures under "onnx"
+    ENGINE/tensorrt/*.plan    --backend tensorrt: serialized TensorRT engines, listed under "tensorrt"
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TARGET_WEIGHTS = "target.safetensors"
 TOKENIZER_DIR = "tokenizer"
+ONNX_DIR = "onnx"
+TENSORRT_DIR = "tensorrt"
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,12 @@ class Manifest:
     source: dict[str, Any]
     build_options: dict[str, Any]
     components: dict[str, Any] = field(default_factory=dict)
+    onnx: dict[str, Any] = field(default_factory=dict)        # graphs of the onnx / tensorrt backends
+    tensorrt: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
+        backends = {k: v for k, v in (("onnx", self.onnx), ("tensorrt", self.tensorrt)) if v}
         return json.dumps({
             "format_version": self.format_version,
             "architecture": self.model.architecture,
@@ -47,7 +54,7 @@ class Manifest:
             "build_options": self.build_options,
             "components": self.components,
             "files": {"target_weights": TARGET_WEIGHTS, "tokenizer": TOKENIZER_DIR},
-        }, indent=2)
+        } | backends, indent=2)
 
     def write(self, engine_dir: Path) -> None:
         (engine_dir / MANIFEST).write_text(self.to_json() + "\n")
@@ -69,6 +76,7 @@ class Manifest:
                        capture_layers=tuple(d["capture_layers"]), block_size=d["kv_layout"]["block_size"],
                        kv_pools=tuple(d["kv_layout"]["pools"]), source=d["source"],
                        build_options=d["build_options"], components=d.get("components", {}),
+                       onnx=d.get("onnx", {}), tensorrt=d.get("tensorrt", {}),
                        format_version=version)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path} is corrupt or incomplete: {type(e).__name__}: {e}") from None

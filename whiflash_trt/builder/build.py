@@ -12,9 +12,10 @@ from tqdm import tqdm
 
 from whiflash_trt import __version__
 from whiflash_trt.builder.sources import load_checkpoint, load_tokenizer, resolve_target
-from whiflash_trt.config import CacheConfig, dtype_name, parse_dtype
-from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256
-from whiflash_trt.models.checkpoints import validate_state_dict
+from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines, import_tensorrt
+from whiflash_trt.config import BACKENDS, CacheConfig, dtype_name, parse_dtype
+from whiflash_trt.manifest import ONNX_DIR, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256
+from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.runtime.kv_cache import KVLayout
 from whiflash_trt.spec.router import load_router
@@ -30,10 +31,16 @@ class BuildOptions:
     ar_drafter: Path | None = None     # EAGLE-3 checkpoint folder (public format)
     dllm_drafter: Path | None = None   # DFlash checkpoint folder (public format)
     router: Path | None = None         # neural router weights (safetensors)
+    backend: str = "torch"             # torch | onnx (graphs for onnxruntime) | tensorrt (graphs + TensorRT engines)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         CacheConfig(block_size=self.block_size)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
+        if self.backend == "onnx" and self.dtype == "bf16":
+            raise ValueError("--backend onnx needs --dtype fp32 (onnxruntime's CPU provider has no bfloat16 "
+                             "MatMul/Gemm kernels) or fp16 (GPU providers)")
 
 
 def add_components(opts: BuildOptions, cfg, dtype: torch.dtype, engine_dir: Path) -> tuple[dict, list[KVLayout]]:
@@ -75,9 +82,27 @@ def _copy_folder(src: Path, dst: Path) -> dict:
     return {"path": dst.name, "source": str(src.resolve()), "sha256": file_sha256(files)}
 
 
+def export_graphs(opts: BuildOptions, ckpt: Checkpoint, dtype: torch.dtype, engine_dir: Path) -> dict:
+    """The onnx section: every graph the runtime needs, exported from the models in the engine dtype."""
+    from whiflash_trt.builder.onnx_export import export_engine_graphs
+
+    target = instantiate_target(ckpt, dtype)
+    eagle3 = load_eagle3(opts.ar_drafter, ckpt.config).to(dtype) if opts.ar_drafter is not None else None
+    dflash = load_dflash(opts.dllm_drafter, ckpt.config).to(dtype) if opts.dllm_drafter is not None else None
+    folder = engine_dir / ONNX_DIR
+    folder.mkdir()
+    progress = (lambda name: print(f"exporting {name}", flush=True)) if opts.show_progress else None
+    section = export_engine_graphs(target, eagle3, dflash, folder, progress)
+    for graph in section["graphs"].values():
+        graph["path"] = f"{ONNX_DIR}/{graph['path']}"
+    return section
+
+
 def build_engine(opts: BuildOptions) -> Path:
     """Write the engine into a temporary sibling folder and rename it at the end: never a half-built engine."""
     out = Path(opts.output)
+    if opts.backend == "tensorrt":
+        import_tensorrt()   # fail at once, before any work, where TensorRT is not installed
     source = resolve_target(opts.target)
     start = time.perf_counter()
     progress = (lambda it: tqdm(it, desc="dequantising", unit="tensor")) if opts.show_progress else None
@@ -96,6 +121,12 @@ def build_engine(opts: BuildOptions) -> Path:
         cfg = ckpt.config
         components, layouts = add_components(opts, cfg, dtype, tmp)
         layouts.insert(0, KVLayout("target", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
+        graphs = {}
+        if opts.backend != "torch":
+            graphs["onnx"] = export_graphs(opts, Checkpoint(cfg, state, ckpt.source), dtype, tmp)
+        if opts.backend == "tensorrt":
+            graphs["tensorrt"] = build_tensorrt_engines(tmp, graphs["onnx"], cfg.max_position_embeddings,
+                                                        opts.block_size, opts.show_progress)
         Manifest(
             model=cfg,
             dtype=dtype_name(dtype),
@@ -105,7 +136,8 @@ def build_engine(opts: BuildOptions) -> Path:
             components=components,
             source={"kind": source.kind, "requested": source.requested, "path": str(source.path),
                     "sha256": file_sha256(source.files)},
-            build_options={"dtype": opts.dtype, "block_size": opts.block_size, "backend": "torch",
+            **graphs,
+            build_options={"dtype": opts.dtype, "block_size": opts.block_size, "backend": opts.backend,
                            "ar_drafter": str(opts.ar_drafter) if opts.ar_drafter else None,
                            "dllm_drafter": str(opts.dllm_drafter) if opts.dllm_drafter else None,
                            "router": str(opts.router) if opts.router else None,

@@ -96,11 +96,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     read_slots: [S] physical slots in logical order; attn_mask: [T, S] bool, True = may attend.
     Returns [T, heads * head_dim].
     """
-    k = k_pool.index_select(0, read_slots).transpose(0, 1)  # [kv_heads, S, head_dim]
-    v = v_pool.index_select(0, read_slots).transpose(0, 1)
+    return attention(q, k_pool.index_select(0, read_slots), v_pool.index_select(0, read_slots), attn_mask, scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: [S, kv_heads, head_dim] (already gathered); attn_mask: [T, S] bool.
+    Returns [T, heads * head_dim]."""
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, S, head_dim]
     heads, kv_heads = q.shape[1], k.shape[0]
     if heads != kv_heads:
         k = k.repeat_interleave(heads // kv_heads, dim=0)
         v = v.repeat_interleave(heads // kv_heads, dim=0)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=attn_mask, scale=scale)
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    # 4-D [1, heads, T, head_dim]: the form ONNX export translates
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=attn_mask, scale=scale)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)

@@ -57,7 +57,8 @@ class Attention(nn.Module):
             start += n
         self.qkv_weight, self.qkv_bias = fused, bias
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask):
+    def project(self, x, cos, sin):
+        """-> q [T, heads, head_dim], k and v [T, kv_heads, head_dim]: projections, q/k norms (Qwen3), RoPE."""
         t = x.shape[0]
         if self.qkv_weight is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -69,7 +70,10 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask):
+        q, k, v = self.project(x, cos, sin)
         k_pool.index_copy_(0, write_slots, k)
         v_pool.index_copy_(0, write_slots, v)
         return self.o_proj(paged_attention(q, k_pool, v_pool, read_slots, attn_mask, self.scale))

@@ -19,6 +19,17 @@ kernel implement exactly this):
 
 No queries, attention, o_proj, MLP, final norm or LM head: a position's K/V depend only on its own inputs, which is
 why the pass is exact (DESIGN.md section 2).
+
+In ONNX graphs and TensorRT the op is ONE node with the same ten inputs (in this order) and two outputs:
+
+    domain PLUGIN_DOMAIN ("trt.plugins"), op_type PLUGIN_NAME ("WhiflashKVOnlyPrefill"), opset version 1
+    attributes  eps (float), plugin_version (string, PLUGIN_VERSION), plugin_namespace (string, PLUGIN_NAMESPACE)
+    types       one float type T (float32, float16 or bfloat16) for every input and both outputs; empty tensors
+                stand for the absent EAGLE-3 / DFlash pieces exactly as above
+
+plugins.onnx_plugin holds its OpSchema and the reference ONNX function body (what onnxruntime runs);
+plugins.tensorrt_plugin registers the TensorRT plugin `PLUGIN_NAMESPACE::PLUGIN_NAME` that TensorRT's ONNX parser
+maps the node to.
 """
 from __future__ import annotations
 
@@ -28,6 +39,7 @@ OP_NAME = "whiflash::kv_only_prefill"
 PLUGIN_NAME = "WhiflashKVOnlyPrefill"   # TensorRT plugin / ONNX op_type
 PLUGIN_DOMAIN = "trt.plugins"
 PLUGIN_VERSION = "1"
+PLUGIN_NAMESPACE = "whiflash"          # TensorRT plugin id: "whiflash::WhiflashKVOnlyPrefill"
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ from whiflash_trt.models.dflash import DFlashDrafter
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.models.eagle3 import Eagle3Drafter
 from whiflash_trt.models.target import TargetModel
+from whiflash_trt.runtime.backends import engine_backend, load_graph_models
 from whiflash_trt.runtime.drafters import DFlashProposer, Eagle3Proposer
 from whiflash_trt.runtime.kv_cache import BlockAllocator, KVLayout, KVPool, num_blocks_for_budget
 from whiflash_trt.runtime.sequence import Sequence
@@ -56,6 +57,16 @@ def load_tokenizer(engine_dir: Path):
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"engine {engine_dir} has no tokenizer ({folder}/tokenizer.json is missing)")
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _router(engine_dir: Path, manifest: Manifest) -> RouterFile | None:
+    part = manifest.components.get("router")
+    return None if part is None else load_router(engine_dir / part["path"], manifest.model.hidden_size)
+
+
+def _cache(manifest: Manifest, kv_budget_bytes: int | None) -> CacheConfig:
+    budget = CacheConfig.memory_budget_bytes if kv_budget_bytes is None else kv_budget_bytes
+    return CacheConfig(block_size=manifest.block_size, memory_budget_bytes=budget)
 
 
 class Engine:
@@ -96,10 +107,18 @@ class Engine:
 
     @classmethod
     def load(cls, engine_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-             kv_budget_bytes: int | None = None) -> "Engine":
-        """Load an engine directory; the KV pools share `kv_budget_bytes` (default CacheConfig's)."""
+             kv_budget_bytes: int | None = None, backend: str | None = None) -> "Engine":
+        """Load an engine directory; the KV pools share `kv_budget_bytes` (default CacheConfig's). `backend`:
+        None = the one it was built for; "torch" runs the modules of any engine (see runtime.backends)."""
         engine_dir = Path(engine_dir)
         manifest = Manifest.read(engine_dir)
+        backend = backend or engine_backend(manifest)
+        if backend != "torch":
+            if dtype is not None and dtype != manifest.dtype:
+                raise WhiflashError(f"the {backend} graphs were built in {manifest.dtype}; rebuild for {dtype}")
+            models = load_graph_models(engine_dir, manifest, backend, device)
+            return cls(models[0], load_tokenizer(engine_dir), manifest, _cache(manifest, kv_budget_bytes), device,
+                       *models[1:], router=_router(engine_dir, manifest))
         weights = engine_dir / TARGET_WEIGHTS
         if not weights.is_file():
             raise CheckpointError(f"engine {engine_dir} is incomplete: {TARGET_WEIGHTS} is missing")
@@ -114,11 +133,8 @@ class Engine:
         parts = manifest.components
         eagle3 = load_eagle3(engine_dir / parts["eagle3"]["path"], manifest.model) if "eagle3" in parts else None
         dflash = load_dflash(engine_dir / parts["dflash"]["path"], manifest.model) if "dflash" in parts else None
-        router = (load_router(engine_dir / parts["router"]["path"], manifest.model.hidden_size)
-                  if "router" in parts else None)
-        budget = CacheConfig.memory_budget_bytes if kv_budget_bytes is None else kv_budget_bytes
-        cache = CacheConfig(block_size=manifest.block_size, memory_budget_bytes=budget)
-        return cls(target, load_tokenizer(engine_dir), manifest, cache, device, eagle3, dflash, router)
+        return cls(target, load_tokenizer(engine_dir), manifest, _cache(manifest, kv_budget_bytes), device, eagle3,
+                   dflash, _router(engine_dir, manifest))
 
     # ----- text <-> tokens -------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
