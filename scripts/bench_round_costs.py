@@ -71,7 +71,10 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     base = Engine.load(default_engine(DEFAULT_CACHE_DIR))
     eagle, dflash = drafters(base.target.config, args)
     engine = Engine(base.target, base.tokenizer, base.manifest, CacheConfig(), eagle3=eagle, dflash=dflash)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from whiflash_trt.builder.tensorrt_build import INSTALL_HINT
+from whiflash_trt.plugins.tensorrt_plugin import INSTALL_HINT
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 NO_TENSORRT = f"tensorrt is not installed: {INSTALL_HINT}"

@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from whiflash_trt import __version__
 from whiflash_trt.builder.sources import load_checkpoint, load_tokenizer, resolve_target
-from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines, import_tensorrt
+from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines
+from whiflash_trt.plugins.tensorrt_plugin import import_tensorrt
 from whiflash_trt.config import BACKENDS, CacheConfig, dtype_name, parse_dtype
 from whiflash_trt.manifest import ONNX_DIR, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict

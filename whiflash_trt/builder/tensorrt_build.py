@@ -14,20 +14,10 @@ import time
 from pathlib import Path
 
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.plugins.tensorrt_plugin import import_tensorrt
 
-INSTALL_HINT = ("TensorRT is not installed. It comes from NVIDIA's package index: "
-                "pip install tensorrt --extra-index-url https://pypi.nvidia.com (Linux with an NVIDIA GPU and CUDA "
-                "driver; the index is not reachable from this project's build machines)")
 MAX_POOL_SLOTS = 1 << 22     # profile bound of the KV pool dimension NS (slots of all blocks)
 TREE_SCRATCH = 256           # room past the context for EAGLE-3 tree scratch slots in S
-
-
-def import_tensorrt():
-    try:
-        import tensorrt
-    except ImportError as e:
-        raise WhiflashError(f"--backend tensorrt: {INSTALL_HINT} (import failed: {e})") from None
-    return tensorrt
 
 
 def profile_dims(context: int, block_size: int) -> dict[str, tuple[int, int, int]]:

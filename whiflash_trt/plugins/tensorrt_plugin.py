@@ -8,7 +8,21 @@ not been run here: TensorRT cannot be installed on this project's machines (see 
 """
 from __future__ import annotations
 
+from whiflash_trt.errors import WhiflashError
 from whiflash_trt.plugins.kv_prefill import PLUGIN_NAME, PLUGIN_NAMESPACE, kv_only_prefill_reference
+
+INSTALL_HINT = ("TensorRT is not installed. It comes from NVIDIA's package index: "
+                "pip install tensorrt --extra-index-url https://pypi.nvidia.com (Linux with an NVIDIA GPU and CUDA "
+                "driver; the index is not reachable from this project's build machines)")
+
+
+def import_tensorrt():
+    """tensorrt, imported lazily; a clear error saying what to install where it is absent."""
+    try:
+        import tensorrt
+    except ImportError as e:
+        raise WhiflashError(f"--backend tensorrt: {INSTALL_HINT} (import failed: {e})") from None
+    return tensorrt
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
 _registered = False

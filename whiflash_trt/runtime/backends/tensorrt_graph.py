@@ -14,7 +14,7 @@ from whiflash_trt.errors import WhiflashError
 
 class TensorRTGraph:
     def __init__(self, path: Path, inputs: list[str], outputs: list[str]) -> None:
-        from whiflash_trt.builder.tensorrt_build import import_tensorrt
+        from whiflash_trt.plugins.tensorrt_plugin import import_tensorrt
         from whiflash_trt.plugins.tensorrt_plugin import register_plugin
 
         trt = import_tensorrt()
