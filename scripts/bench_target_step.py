@@ -1,7 +1,7 @@
 """Micro-benchmark: one target step (q new tokens on a cached context) of our forward vs transformers', A/B
 interleaved in rounds on the same weights, for bf16 and fp32 and q = 1, 2, 8, 16.
 
-    python scripts/bench_target_step.py [--context 256] [--rounds 7] [--iters 10]
+    python scripts/bench_target_step.py [--context 256] [--rounds 7] [--iters 10] [--threads N]
 """
 from __future__ import annotations
 
@@ -45,7 +45,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(resolve_target("smollm2-135m"))
     cfg = ckpt.config
     prompt = torch.randint(0, cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
