@@ -40,7 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold-sweep", action="store_true",
                    help="also run the routed modes at a handful of other router thresholds")
     p.add_argument("--entropy-thresholds", type=_floats, help="sweep points for whiflash-entropy (nats)")
-    p.add_argument("--neural-thresholds", type=_floats, help="sweep points for whiflash-neural (predicted dAL)")
+    p.add_argument("--neural-thresholds", type=_floats, help="sweep points for whiflash-neural (predicted dAL); "
+                                                             "with a negative first value write =, e.g. "
+                                                             "--neural-thresholds=-0.5,0.5")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed in every mode first")
     p.add_argument("--near-tie", type=float, help="logit tolerance of the lossless check (default by dtype)")

@@ -54,7 +54,8 @@ def _bars(plt, summary: dict, modes: list[str], key: str, label: str, ref: float
     for j, mode in enumerate(modes):
         xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(cats))]
         ys = [(summary[c].get(mode) or {}).get(key) or 0.0 for c in cats]
-        ax.bar(xs, ys, width, label=mode, color=COLORS.get(mode))
+        bars = ax.bar(xs, ys, width, label=mode, color=COLORS.get(mode))
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
     if ref is not None:
         ax.axhline(ref, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(cats)), cats)
