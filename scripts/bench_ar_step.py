@@ -8,13 +8,15 @@ Decodes the same chat prompt greedily with the engine's target alone, in configu
     step2-pad   2-token steps [pending, pending]: the second row is padding whose K/V is overwritten next step
     stepQ       raw time of one step of q new tokens (q = 1..4) on the same context, without decoding
 
-and reports the median decode time per token, plus whether step2-pad reproduces step1's tokens.
+each at every torch thread count asked for, and reports the median decode time per token, plus whether each
+configuration reproduces step1's tokens.
 
-    python scripts/bench_ar_step.py [--engine DIR] [--dtype bf16] [--tokens 64] [--rounds 5]
+    python scripts/bench_ar_step.py [--engine DIR] [--dtype bf16] [--tokens 64] [--rounds 5] [--threads 1,2]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -80,46 +82,51 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per configuration per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20, help="steps per raw step timing")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--threads", default=str(torch.get_num_threads()),
+                    help="comma-separated torch thread counts to compare (default: torch's choice)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = [int(t) for t in args.threads.split(",")]
     engine = Engine.load(args.engine or default_engine(DEFAULT_CACHE_DIR), dtype=args.dtype)
     prompt = engine.encode("Explain how a hash map works, then write a short Python example that counts words.",
                            chat=True)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype {args.dtype}, "
-          f"prompt {len(prompt)} tokens, {args.tokens} tokens per run, {args.rounds} rounds")
-    configs = {
+    print(f"torch {torch.__version__}, threads {threads}, dtype {args.dtype}, prompt {len(prompt)} tokens, "
+          f"{args.tokens} tokens per run, {args.rounds} rounds, load average {os.getloadavg()}", flush=True)
+    kinds = {
         "engine-ar": lambda: engine_ar(engine, prompt, args.tokens),
         "step1": lambda: decode_loop(engine, prompt, args.tokens, 1, entropy=False),
         "step1-sig": lambda: decode_loop(engine, prompt, args.tokens, 1, entropy=True),
         "step2-pad": lambda: decode_loop(engine, prompt, args.tokens, 2, entropy=False),
     }
-    names = list(configs)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    tokens: dict[str, list[int]] = {}
-    for fn in configs.values():
-        fn()  # warm-up
+    configs = [(t, k) for t in threads for k in kinds]
+    times: dict[tuple, list[float]] = {c: [] for c in configs}
+    tokens: dict[tuple, list[int]] = {}
+    for t, k in configs:
+        torch.set_num_threads(t)
+        kinds[k]()  # warm-up
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            seconds, toks = configs[name]()
-            times[name].append(seconds)
-            tokens[name] = toks
-    base = statistics.median(times["step1"])
-    print("config        ms/token  tokens/s  vs step1  same tokens as step1")
-    for name in names:
-        med = statistics.median(times[name])
-        same = tokens[name] == tokens["step1"]
-        print(f"{name:12} {med * 1e3:9.2f} {1 / med:9.2f} {base / med:8.3f}x  {same}")
+        for t, k in configs[r % len(configs):] + configs[:r % len(configs)]:
+            torch.set_num_threads(t)
+            seconds, tokens[(t, k)] = kinds[k]()
+            times[(t, k)].append(seconds)
+    ref = tokens[(threads[0], "step1")]
+    base = statistics.median(times[(threads[0], "step1")])
+    print(f"threads config     ms/token  tokens/s  vs step1@{threads[0]}  same tokens as step1@{threads[0]}")
+    for t, k in configs:
+        med = statistics.median(times[(t, k)])
+        print(f"{t:7} {k:10} {med * 1e3:9.2f} {1 / med:9.2f} {base / med:10.3f}x  {tokens[(t, k)] == ref}",
+              flush=True)
     print("raw step time on the prompt's context (q new tokens, logits for one row):")
-    raw = {q: [] for q in (1, 2, 3, 4)}
-    for _ in range(args.rounds):
-        for q in raw:
-            raw[q].append(step_time(engine, prompt, q, args.iters))
-    one = statistics.median(raw[1])
-    for q, ts in raw.items():
-        med = statistics.median(ts)
-        print(f"  q={q}: {med * 1e3:7.2f} ms  ({med / one:.3f}x of q=1)")
+    for t in threads:
+        torch.set_num_threads(t)
+        raw = {q: [] for q in (1, 2, 3, 4)}
+        for _ in range(args.rounds):
+            for q in raw:
+                raw[q].append(step_time(engine, prompt, q, args.iters))
+        one = statistics.median(raw[1])
+        print(f"  threads {t}: " + ", ".join(f"q={q} {statistics.median(ts) * 1e3:.2f} ms "
+                                               f"({statistics.median(ts) / one:.3f}x)" for q, ts in raw.items()),
+              flush=True)
+    print(f"load average after {os.getloadavg()}")
 
 
 if __name__ == "__main__":
