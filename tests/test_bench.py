@@ -1,0 +1,222 @@
+"""whiflash-bench: prompt sets, the losslessness checker, and an end-to-end run on a tiny random engine."""
+from __future__ import annotations
+
+import copy
+import json
+import struct
+
+import pytest
+import torch
+
+from bench_fixtures import build_tiny_engine
+from whiflash_trt.bench.lossless import check_lossless, first_difference, target_logits_fn
+from whiflash_trt.bench.modes import BASE_MODES, base_mode, sweep_points
+from whiflash_trt.bench.prompts import CATEGORIES, load_prompts, prompt_set_digest
+from whiflash_trt.config import SpecConfig
+from whiflash_trt.errors import WhiflashError
+
+CATS = ",".join(CATEGORIES)
+
+
+# ----- prompt sets ----------------------------------------------------------------------------------------------
+def test_builtin_prompt_sets_are_versioned_and_complete():
+    sizes = {c: len(load_prompts([c], None)) for c in CATEGORIES}
+    assert sizes == {"code": 164, "math": 100, "json": 100, "chat": 80, "mix": 444}
+    everything = load_prompts(None, None)
+    assert len({p.id for p in everything}) == len(everything)
+    assert prompt_set_digest(everything) == prompt_set_digest(load_prompts(None, None))
+    assert all(p.prompt for p in everything)
+
+
+def test_mix_interleaves_categories_without_repeating_the_first_prompts():
+    mix = load_prompts(["mix"], 8)
+    assert [p.id.split("/")[1] for p in mix[:4]] == ["HumanEval", "gsm_symbolic", "multiple_49", "mt_bench"]
+    heads = {p.prompt for c in ("code", "math", "json", "chat") for p in load_prompts([c], 20)}
+    assert not heads & {p.prompt for p in load_prompts(["mix"], 80)}
+
+
+def test_prompts_file_keeps_its_categories_and_rejects_unknown_ones(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "category": "x"}\n{"prompt": "b"}\n{"prompt": "c", "category": "x"}\n')
+    assert [(p.category, p.prompt) for p in load_prompts(None, None, f)] == [("x", "a"), ("x", "c"), ("custom", "b")]
+    assert [p.prompt for p in load_prompts(["x"], 1, f)] == ["a"]
+    with pytest.raises(WhiflashError, match="unknown category"):
+        load_prompts(["code"], None, f)
+
+
+def test_sweep_points_skip_the_default_and_name_their_threshold():
+    neural = base_mode("whiflash-neural", SpecConfig())
+    points = sweep_points(neural, 0.0, None)
+    assert [p.spec.threshold for p in points] == [-1.0, -0.5, 0.5, 1.0]
+    assert points[0].name == "whiflash-neural@-1" and points[0].base == "whiflash-neural"
+    entropy = sweep_points(base_mode("whiflash-entropy", SpecConfig()), 2.0, [1.0, 2.0, 3.0])
+    assert [p.spec.threshold for p in entropy] == [1.0, 3.0]
+
+
+# ----- lossless checker on synthetic records --------------------------------------------------------------------
+def _records(ar_tokens, mode_tokens, mode="eagle3"):
+    return [{"prompt_id": "p", "category": "code", "mode": "ar", "token_ids": ar_tokens},
+            {"prompt_id": "p", "category": "code", "mode": mode, "token_ids": mode_tokens}]
+
+
+def _peaked_logits(winner: int, runner_up: int, gap: float, vocab: int = 10):
+    def fn(ids):
+        logits = torch.zeros(vocab)
+        logits[winner], logits[runner_up] = 5.0, 5.0 - gap
+        return logits
+    return fn
+
+
+def test_first_difference_covers_token_and_length_mismatches():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_lossless_check_accepts_a_flip_at_a_near_tie():
+    report = check_lossless(_records([1, 2, 3], [1, 4, 3]), {"p": [0]}, _peaked_logits(2, 4, 0.01), 0.25)
+    (d,) = report["divergences"]
+    assert d["position"] == 1 and d["near_tie"] and d["top2_gap"] == pytest.approx(0.01)
+    assert report["bugs"] == 0 and report["by_mode"]["eagle3"]["code"]["exact_match_rate"] == 0.0
+
+
+def test_lossless_check_flags_a_flip_far_from_a_tie():
+    report = check_lossless(_records([1, 2, 3], [1, 4, 3]), {"p": [0]}, _peaked_logits(2, 4, 3.0), 0.25)
+    assert report["bugs"] == 1 and not report["divergences"][0]["near_tie"]
+
+
+def test_lossless_check_counts_a_failed_run_as_a_bug():
+    records = _records([1, 2], [1, 2])
+    records[1] = {k: v for k, v in records[1].items() if k != "token_ids"} | {"error": "IndexError: boom"}
+    report = check_lossless(records, {"p": [0]}, _peaked_logits(1, 2, 1.0), 0.25)
+    assert report["bugs"] == 1 and report["errors"][0]["error"] == "IndexError: boom"
+
+
+# ----- end to end on a tiny random engine -----------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A 64-wide model gains nothing from a second thread, and on a loaded 2-core machine OpenMP barriers make each
+    tiny matmul ~100x slower with two threads than with one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    return build_tiny_engine(tmp_path_factory.mktemp("bench-engine"))
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_engine, tmp_path_factory):
+    from whiflash_trt.bench.cli import main
+
+    out = tmp_path_factory.mktemp("bench-out")
+    # fp32: speculative output must then equal target-only output token for token. Eager catch-up: see
+    # test_lazy_catch_up_survives_a_first_switch for the lazy default.
+    rc = main(["--engine", str(tiny_engine), "--categories", CATS, "--modes", ",".join(BASE_MODES),
+               "--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "fp32", "--catch-up", "eager",
+               "--threshold-sweep", "--entropy-thresholds", "1", "--neural-thresholds", "-0.5",
+               "--out", str(out), "--no-progress"])
+    return rc, out, json.loads((out / "results.json").read_text())
+
+
+def test_bench_writes_results_json_with_every_section(bench_run):
+    rc, _, results = bench_run
+    assert rc == 0
+    for key in ("command_line", "options", "environment", "engine", "prompts", "modes", "summary", "lossless",
+                "threshold_sweep", "goals", "records", "plots"):
+        assert key in results, key
+    assert len(results["engine"]["manifest_sha256"]) == 64
+    assert results["environment"]["versions"]["torch"] == torch.__version__
+    assert len(results["records"]) == 5 * 2 * (len(BASE_MODES) + 2)
+    for cat in CATEGORIES:
+        for mode in BASE_MODES:
+            cell = results["summary"][cat][mode]
+            assert cell["num_prompts"] == 2 and cell["errors"] == 0
+            assert cell["tau"] >= 1.0 and cell["tokens_per_s"] > 0 and cell["speedup"] > 0
+            assert set(cell["phase_share"]) == {"route", "catch_up", "draft", "verify", "commit"}
+    assert results["summary"]["code"]["ar"]["tau"] == 1.0
+    assert {p["mode"] for p in results["threshold_sweep"]["whiflash-neural"]} == {"whiflash-neural",
+                                                                                  "whiflash-neural@-0.5"}
+    # The fixture's router routes to both drafters, so the losslessness check covers switching.
+    assert set(results["summary"]["all"]["whiflash-neural"]["round_share"]) == {"eagle3", "dflash"}
+
+
+def test_bench_modes_run_interleaved_in_rotating_order(bench_run):
+    records = bench_run[2]["records"]
+    firsts = [r["mode"] for r in records if r["order"] == 0]
+    assert len(set(firsts[:len(BASE_MODES)])) == len(BASE_MODES)
+
+
+def test_bench_every_mode_matches_ar_on_the_tiny_engine_in_fp32(bench_run):
+    lossless = bench_run[2]["lossless"]
+    assert lossless["bugs"] == 0 and not lossless["divergences"]
+    for cells in lossless["by_mode"].values():
+        assert all(c["exact_match_rate"] == 1.0 for c in cells.values())
+
+
+def test_bench_results_md_has_the_tables(bench_run):
+    md = (bench_run[1] / "results.md").read_text()
+    for heading in ("## Acceptance and speed", "## Routing and switching", "## Time per phase",
+                    "## Losslessness", "## Router threshold sweep", "## Goals"):
+        assert heading in md
+    for cat in CATEGORIES:
+        for mode in BASE_MODES:
+            assert f"| {cat} | {mode} |" in md
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_bench_plots_are_valid_pngs(bench_run):
+    from PIL import Image
+
+    _, out, results = bench_run
+    assert set(results["plots"]) == {"tau.png", "speedup.png", "trace.png", "threshold_sweep.png"}
+    for name in results["plots"]:
+        w, h = _png_size(out / name)
+        assert w > 100 and h > 100
+        with Image.open(out / name) as img:
+            img.verify()
+
+
+def test_lossless_check_flags_a_corrupted_mode(bench_run, tiny_engine):
+    from whiflash_trt.runtime.engine import Engine
+
+    engine = Engine.load(tiny_engine)
+    records = copy.deepcopy([r for r in bench_run[2]["records"] if r["category"] == "code"])
+    victim = next(r for r in records if r["mode"] == "dflash" and len(r["token_ids"]) > 3)
+    ids = {r["prompt_id"]: engine.encode(p.prompt, chat=True) for r in records
+           for p in load_prompts(["code"], 2) if p.id == r["prompt_id"]}
+    # The test double: replace one token by the target's LEAST likely token there.
+    logits = target_logits_fn(engine)
+    pos = 2
+    victim["token_ids"][pos] = int(logits(ids[victim["prompt_id"]] + victim["token_ids"][:pos]).argmin())
+    report = check_lossless(records, ids, logits, tolerance=1e-3)
+    assert report["bugs"] == 1
+    (d,) = report["divergences"]
+    assert (d["mode"], d["prompt_id"], d["position"], d["near_tie"]) == ("dflash", victim["prompt_id"], pos, False)
+    assert d["mode_deficit"] > d["top2_gap"] >= 0
+
+
+def test_lazy_catch_up_survives_a_first_switch(tiny_engine, tmp_path):
+    """The default (lazy) catch-up, with a router that uses both drafters: no run may fail."""
+    from whiflash_trt.bench.cli import main
+
+    rc = main(["--engine", str(tiny_engine), "--categories", "chat", "--modes", "ar,whiflash-neural",
+               "--num-prompts", "1", "--max-new-tokens", "16", "--dtype", "fp32", "--out", str(tmp_path),
+               "--no-progress", "--warmup", "0"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0, results["lossless"]["errors"]
+
+
+def test_bench_cli_rejects_an_unknown_category(tiny_engine, tmp_path, capsys):
+    from whiflash_trt.bench.cli import main
+
+    assert main(["--engine", str(tiny_engine), "--categories", "poetry", "--out", str(tmp_path)]) == 2
+    assert "unknown category" in capsys.readouterr().err

@@ -1,0 +1,102 @@
+"""Benchmark prompt sets: versioned files under bench/data (made by scripts/make_bench_prompts.py), or a user's file.
+
+Categories and sources (disjoint from the drafter training data; the script's docstring has the details):
+    code  HumanEval problems          math  reasoning-gym gsm_symbolic, generator seeds 0..99
+    json  bfcl-eval simple_python / multiple as tool-call requests    chat  MT-Bench first turns
+    mix   round-robin over code, math, json, chat, each taken from the END of its list, so a run of N <= half a
+          set per category measures different prompts in mix than in the single categories
+Every prompt is a user message; the harness wraps it in the target's chat template.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from whiflash_trt.errors import WhiflashError
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+SOURCE_CATEGORIES = ("code", "math", "json", "chat")
+CATEGORIES = SOURCE_CATEGORIES + ("mix",)
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    category: str
+    source: str
+    prompt: str           # the user message (before the chat template)
+
+
+def read_jsonl(path: Path, default_category: str | None = None) -> list[BenchPrompt]:
+    """One JSON object per line: "prompt" (required), "id", "category", "source" (optional)."""
+    prompts = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WhiflashError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise WhiflashError(f'{path}:{n}: expected an object with a non-empty string "prompt"')
+        category = str(record.get("category") or default_category or "custom")
+        prompts.append(BenchPrompt(id=str(record.get("id", f"{Path(path).stem}/{n}")), category=category,
+                                   source=str(record.get("source", Path(path).name)), prompt=record["prompt"]))
+    if not prompts:
+        raise WhiflashError(f"{path} holds no prompts")
+    return prompts
+
+
+def builtin_set(category: str) -> list[BenchPrompt]:
+    if category not in SOURCE_CATEGORIES:
+        raise WhiflashError(f"unknown category {category!r}; expected one of {', '.join(CATEGORIES)}")
+    return read_jsonl(DATA_DIR / f"{category}.jsonl", default_category=category)
+
+
+def mix_set(sets: dict[str, list[BenchPrompt]]) -> list[BenchPrompt]:
+    """Round-robin over the source categories, each read from the end of its list."""
+    out = []
+    for i in range(max(len(s) for s in sets.values())):
+        for name in SOURCE_CATEGORIES:
+            items = sets[name]
+            if i < len(items):
+                p = items[len(items) - 1 - i]
+                out.append(BenchPrompt(id=f"mix/{p.id}", category="mix", source=p.source, prompt=p.prompt))
+    return out
+
+
+def load_prompts(categories: list[str] | None, num_prompts: int | None,
+                 prompts_file: Path | None = None) -> list[BenchPrompt]:
+    """The first `num_prompts` of each requested category (all categories of the source when None)."""
+    if num_prompts is not None and num_prompts <= 0:
+        raise WhiflashError(f"--num-prompts must be positive, got {num_prompts}")
+    if prompts_file is not None:
+        pool = read_jsonl(prompts_file)
+        available = list(dict.fromkeys(p.category for p in pool))
+        by_cat = {c: [p for p in pool if p.category == c] for c in available}
+    else:
+        available = list(CATEGORIES)
+        by_cat = {c: builtin_set(c) for c in SOURCE_CATEGORIES}
+        by_cat["mix"] = mix_set(by_cat)
+    wanted = categories or available
+    unknown = [c for c in wanted if c not in by_cat]
+    if unknown:
+        raise WhiflashError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                            f"this prompt source has {', '.join(available)}")
+    prompts = [p for c in wanted for p in by_cat[c][:num_prompts]]
+    seen: set[str] = set()
+    for p in prompts:
+        if p.id in seen:
+            raise WhiflashError(f"prompt id {p.id!r} occurs twice; ids must be unique")
+        seen.add(p.id)
+    return prompts
+
+
+def prompt_set_digest(prompts: list[BenchPrompt]) -> str:
+    """sha256 over (id, category, prompt): two runs with the same digest measured the same work."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.id, p.category, p.prompt]).encode())
+    return h.hexdigest()
