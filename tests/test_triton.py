@@ -51,26 +51,22 @@ PROMPTS = [
 
 
 # ----- a tiny engine ---------------------------------------------------------------------------------------------
-def make_tiny_checkpoint(folder: Path) -> Path:
-    """A random 2-layer Llama (hidden 64) whose vocabulary is a byte-level BPE trained on the prompts above."""
+def make_tiny_engine(tmp: Path) -> Path:
+    """A random 6-layer Llama (hidden 64) with random EAGLE-3 and DFlash drafters, built by the real builder."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_end|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(PROMPTS * 8, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).float().save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    return folder
+    from spec_fixtures import make_dflash, make_eagle3
+    from tiny_models import make_tiny_checkpoint
+    from whiflash_trt.builder.build import BuildOptions, build_engine
+    from whiflash_trt.config import ModelConfig
+    from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
+
+    ckpt = make_tiny_checkpoint(tmp / "ckpt", num_hidden_layers=6)
+    cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+    save_eagle3(make_eagle3(cfg), tmp / "eagle3", dtype=torch.float32)
+    save_dflash(make_dflash(cfg), tmp / "dflash", cfg.num_layers, dtype=torch.float32)
+    return build_engine(BuildOptions(target=str(ckpt), output=tmp / "engine", dtype="fp32", show_progress=False,
+                                     ar_drafter=tmp / "eagle3", dllm_drafter=tmp / "dflash"))
 
 
 def whiflash_run(engine: Path, tmp: Path) -> list[dict]:
@@ -140,16 +136,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from whiflash_trt.builder.build import BuildOptions, build_engine
-
     tmp = tmp_path_factory.mktemp("triton")
     checked = subprocess.run([str(VENV / "bin" / "python"), "-c", "import whiflash_trt; print(whiflash_trt.__file__)"],
                              capture_output=True, text=True, timeout=60)
     if Path(checked.stdout.strip()).resolve().parents[1] != ROOT:
         pytest.fail(f"{VENV} serves whiflash_trt from {checked.stdout.strip() or checked.stderr} rather than {ROOT}: "
                     f"rerun scripts/setup_triton_env.sh in this checkout")
-    engine = build_engine(BuildOptions(target=str(make_tiny_checkpoint(tmp / "ckpt")), output=tmp / "engine",
-                                       dtype="fp32", show_progress=False))
+    engine = make_tiny_engine(tmp)
     repo = tmp / "repo"
     subprocess.run([str(VENV / "bin" / "whiflash-build"), "--engine", str(engine), "--triton-repo", str(repo),
                     "--triton-instances", "2"], check=True, timeout=120, capture_output=True)
@@ -238,6 +231,18 @@ def test_non_streaming_request_returns_whiflash_run_text_and_stats(server):
     assert reply.last["num_rounds"] == want["stats"]["rounds"]
     assert reply.last["acceptance_length"] == pytest.approx(want["stats"].get("tau", 1.0))
     assert reply.last["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("mode", ["eagle3", "dflash", "whiflash"])
+def test_speculative_modes_through_triton_return_the_target_only_text(server, mode):
+    want = server.expected[3]   # whiflash-run's default: target-only greedy
+    reply = grpc_generate(server.grpc_url, make_inputs(PROMPTS[3], extra={
+        "mode": _array(mode.encode(), np.object_), "threshold": _array(2.0, np.float32)}))
+    assert reply.error is None
+    assert "".join(reply.texts) == want["text"]
+    assert reply.last["num_new_tokens"] == len(want["token_ids"])
+    assert 0 < reply.last["num_rounds"] <= len(want["token_ids"])
+    assert reply.last["acceptance_length"] >= 1.0
 
 
 def test_streaming_request_concatenates_to_whiflash_run_text(server):
