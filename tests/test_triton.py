@@ -70,11 +70,11 @@ def make_tiny_engine(tmp: Path) -> Path:
 
 
 def whiflash_run(engine: Path, tmp: Path) -> list[dict]:
-    """`whiflash-run --json` (the venv's, i.e. this checkout's) on every prompt, greedy."""
+    """`whiflash-run --mode ar --json` (the venv's, i.e. this checkout's) on every prompt, greedy target-only."""
     prompts_file = tmp / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = subprocess.run([str(VENV / "bin" / "whiflash-run"), "--engine", str(engine), "--prompts-file",
-                          str(prompts_file), "--max-new-tokens", str(MAX_TOKENS), "--json"],
+                          str(prompts_file), "--max-new-tokens", str(MAX_TOKENS), "--mode", "ar", "--json"],
                          capture_output=True, text=True, timeout=300, check=True)
     return [json.loads(line) for line in out.stdout.splitlines()]
 
