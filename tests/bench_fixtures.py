@@ -2,6 +2,7 @@
 BPE tokenizer and a ChatML chat template, random EAGLE-3 and DFlash drafters, and a random neural router."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -45,26 +46,14 @@ def make_target(folder: Path, vocab: int, eos_id: int) -> None:
     LlamaForCausalLM(cfg).save_pretrained(str(folder))
 
 
-def make_drafters(folder: Path, vocab: int) -> tuple[Path, Path]:
-    from whiflash_trt.config import RopeConfig
-    from whiflash_trt.models.dflash import DFlashConfig, DFlashDrafter
+def make_drafters(folder: Path, target_dir: Path) -> tuple[Path, Path]:
+    from spec_fixtures import make_dflash, make_eagle3
+    from whiflash_trt.config import ModelConfig
     from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
-    from whiflash_trt.models.eagle3 import Eagle3Config, Eagle3Drafter
 
-    torch.manual_seed(1)
-    eagle = Eagle3Drafter(Eagle3Config(HIDDEN, 128, 4, 2, 16, 1e-6, vocab, vocab // 2, HIDDEN, CONTEXT, RopeConfig(),
-                                       (2, 4, 5)))
-    for p in eagle.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    eagle.d2t.copy_(torch.arange(vocab // 2))   # draft id d -> target id 2d
-    eagle.t2d.zero_()
-    eagle.t2d[torch.arange(vocab // 2) * 2] = True
-    save_eagle3(eagle, folder / "eagle3", dtype=torch.float32)
-    dflash = DFlashDrafter(DFlashConfig(HIDDEN, 128, 2, 4, 2, 16, 1e-6, vocab, CONTEXT, RopeConfig(), 6, vocab,
-                                        (1, 5)), HIDDEN, True)
-    for p in dflash.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    save_dflash(dflash, folder / "dflash", NUM_LAYERS, dtype=torch.float32)
+    target = ModelConfig.from_hf(json.loads((target_dir / "config.json").read_text()))
+    save_eagle3(make_eagle3(target), folder / "eagle3", dtype=torch.float32)
+    save_dflash(make_dflash(target), folder / "dflash", NUM_LAYERS, dtype=torch.float32)
     return folder / "eagle3", folder / "dflash"
 
 
@@ -100,7 +89,7 @@ def build_tiny_engine(root: Path) -> Path:
     src.mkdir(parents=True)
     tok = make_tokenizer(src)
     make_target(src, len(tok), tok.convert_tokens_to_ids("<|im_end|>"))
-    eagle, dflash = make_drafters(root, len(tok))
+    eagle, dflash = make_drafters(root, src)
     router = make_router(root, src, tok)
     return build_engine(BuildOptions(target=str(src), output=root / "engine", dtype="fp32", ar_drafter=eagle,
                                      dllm_drafter=dflash, router=router, show_progress=False))

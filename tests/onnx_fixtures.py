@@ -36,10 +36,9 @@ def make_checkpoints(out: Path) -> Path:
     """out/: HF Llama target + tokenizer; out/eagle3, out/dflash (public formats); out/router/router.safetensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from whiflash_trt.config import RopeConfig
-    from whiflash_trt.models.dflash import DFlashConfig, DFlashDrafter
+    from spec_fixtures import make_dflash, make_eagle3
+    from whiflash_trt.config import ModelConfig
     from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
-    from whiflash_trt.models.eagle3 import Eagle3Config, Eagle3Drafter
     from whiflash_trt.spec.router import RouterMLP, save_router
 
     out.mkdir(parents=True, exist_ok=True)
@@ -50,19 +49,10 @@ def make_checkpoints(out: Path) -> Path:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=0)
     LlamaForCausalLM(cfg).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    eagle3 = Eagle3Drafter(Eagle3Config(HIDDEN, 128, 4, 2, 16, 1e-6, vocab, vocab // 2, HIDDEN, 512, RopeConfig(),
-                                        EAGLE3_AUX))
-    for p in eagle3.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    eagle3.d2t.copy_(torch.arange(vocab // 2))             # draft id d -> target id 2d
-    eagle3.t2d.zero_()
-    eagle3.t2d[torch.arange(vocab // 2) * 2] = True
-    save_eagle3(eagle3, out / "eagle3", dtype=torch.float32)
-    dflash = DFlashDrafter(DFlashConfig(HIDDEN, 128, 2, 4, 2, 16, 1e-6, vocab, 512, RopeConfig(), DFLASH_BLOCK,
-                                        vocab, DFLASH_LAYERS), HIDDEN, carries_mask_embedding=True)
-    for p in dflash.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    save_dflash(dflash, out / "dflash", LAYERS, dtype=torch.float32)
+    target = ModelConfig.from_hf(cfg.to_dict())
+    save_eagle3(make_eagle3(target), out / "eagle3", dtype=torch.float32)      # aux ids (2, 4, 5) = EAGLE3_AUX
+    save_dflash(make_dflash(target, block_size=DFLASH_BLOCK), out / "dflash", LAYERS, dtype=torch.float32)
+    torch.manual_seed(3)
     router = RouterMLP(HIDDEN, 16)
     (out / "router").mkdir(exist_ok=True)
     save_router(router, out / "router" / "router.safetensors", threshold=0.0, entropy_threshold=3.0)
