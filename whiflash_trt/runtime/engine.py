@@ -191,7 +191,7 @@ class Engine:
         stats = RoundStats()
         start = time.perf_counter()
         try:
-            signal = self._prefill(seq, gen, generator, capture=bool(proposers))
+            signal = self._prefill(seq, gen, generator, capture=bool(proposers), drafters=tuple(proposers))
             prefill_s = time.perf_counter() - start
             output, emitted = [seq.pending], 0
             decision = stopper.check(output, 1)
@@ -223,11 +223,13 @@ class Engine:
             return verify_greedy(tree, logits).bonus
         return verify_sampling(tree, target_probs(logits, gen.sampling), generator).bonus
 
-    def _prefill(self, seq: Sequence, gen: GenerationConfig, generator, capture: bool) -> RouteSignal:
+    def _prefill(self, seq: Sequence, gen: GenerationConfig, generator, capture: bool,
+                 drafters: tuple[str, ...] = ()) -> RouteSignal:
         prompt = seq.prompt_ids
         seq.reserve(len(prompt))
         out = self.runner.step(seq, prompt, logits_rows=[len(prompt) - 1], capture=capture)
-        seq.commit(prompt, self._choose(out.logits, gen, generator), out.captured)
+        # Every drafter starts at frontier 0: a lazily updated one must keep its whole backlog of features.
+        seq.commit(prompt, self._choose(out.logits, gen, generator), out.captured, {d: 0 for d in drafters})
         return RouteSignal(entropy_of(out.logits[-1]), out.hidden[-1])
 
     def _round(self, seq, gen, spec, generator, proposers, router, signal, stats) -> tuple[RouteSignal, list[int]]:
