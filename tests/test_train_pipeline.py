@@ -26,6 +26,9 @@ def workspace(tmp_path_factory):
     assert train_main(["data", "--target", str(target), "--output", str(data), "--per-category", "6",
                        "--num-val", "1", "--num-router", "1", "--max-new-tokens", "24", "--lanes", "8",
                        "--shard-size", "8", "--dtype", "fp32", "--max-prompt-tokens", "400"]) == 0
+    assert train_main(["data", "--target", str(target), "--output", str(data), "--split", "router",
+                       "--max-new-tokens", "24", "--lanes", "8", "--sampled-fraction", "0", "--dtype", "fp32",
+                       "--max-prompt-tokens", "400"]) == 0
     common = ["--data", str(data), "--steps", str(STEPS), "--seqs-per-step", "2", "--lr", "3e-3",
               "--warmup-steps", "2", "--no-progress"]
     assert train_main(["eagle3", *common, "--output", str(root / "e3"), "--draft-vocab", "200"]) == 0
@@ -152,3 +155,33 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         wa = torch.load(straight / "state.pt", weights_only=False)["model"]
         wb = torch.load(split / "state.pt", weights_only=False)["model"]
         assert all(torch.equal(wa[k], wb[k]) for k in wa), kind
+
+
+def test_router_command_writes_a_router_the_engine_uses(workspace):
+    from whiflash_trt.spec.router import load_router
+
+    out = workspace / "router.safetensors"
+    assert train_main(["router", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
+                       "--dflash", str(workspace / "df" / "export"), "--output", str(out), "--width", "16",
+                       "--cost-prompts", "1"]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["num_states"] > 0 and report["selection"]["neural"]["tokens_per_s"] > 0
+    router = load_router(out, 64)
+    assert router.threshold == report["selection"]["neural"]["threshold"]
+    engine = _engine(workspace, "engine-router", ar_drafter=workspace / "e3" / "export",
+                     dllm_drafter=workspace / "df" / "export", router=out)
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    ids = engine.encode("def add(a, b):")
+    ar = engine.generate(ids, gen, spec=SpecConfig(mode="ar")).token_ids
+    assert engine.generate(ids, gen, spec=SpecConfig(mode="whiflash", router="neural")).token_ids == ar
+
+
+def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
+    out = workspace / "eval.json"
+    assert train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
+                       "--dflash", str(workspace / "df" / "export"), "--per-category", "1",
+                       "--max-new-tokens", "16", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["lossless"] is True
+    assert "mix" in report["eagle3"] and len(report["eagle3"]) >= 3   # json prompts exceed the tiny context
+    assert report["eagle3"]["mix"]["tau"] >= 1.0

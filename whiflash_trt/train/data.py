@@ -46,8 +46,11 @@ class DataOptions:
     max_sequences: int | None = None
     seed: int = 0
     dtype: str = "bf16"
+    split: str = "train"          # "router": responses to the router prompts, shards in DATA/router/
 
     def __post_init__(self) -> None:
+        if self.split not in ("train", "router"):
+            raise ValueError(f"split must be train or router, got {self.split!r}")
         if self.capture_layers is not None and not self.capture_layers:
             raise ValueError("capture_layers must name at least one target layer")
         if not 0 <= self.sampled_fraction <= 1:
@@ -110,8 +113,15 @@ def _write_shard(folder: Path, index: int, seqs: list[Finished]) -> dict:
 
 
 def generate_data(opts: DataOptions) -> Path:
-    out = Path(opts.output)
-    out.mkdir(parents=True, exist_ok=True)
+    root = Path(opts.output)
+    root.mkdir(parents=True, exist_ok=True)
+    out = root if opts.split == "train" else root / opts.split
+    if out != root:
+        if not (root / MANIFEST).is_file():
+            raise ValueError(f"{root} has no prompts yet: run whiflash-train data --split train first")
+        out.mkdir(exist_ok=True)
+        if not (out / MANIFEST).is_file():
+            _write_manifest(out, read_manifest(root) | {"shards": [], "split": opts.split})
     model, tokenizer = load_target(opts.target, opts.dtype)
     n = model.config.num_layers
     capture = opts.capture_layers or default_capture_layers(n)
@@ -133,7 +143,7 @@ def generate_data(opts: DataOptions) -> Path:
                             "simple_python and multiple; stdlib code/doc prompts, no HumanEval",
             "shards": []}
         _write_manifest(out, manifest)
-    prompts = read_prompts(out / "prompts.train.jsonl")
+    prompts = read_prompts(root / f"prompts.{opts.split}.jsonl")
     done = {i for shard in manifest["shards"] for i in shard["prompt_index"]}
     eos = eos_ids(model, tokenizer)
     max_len = opts.max_prompt_tokens + opts.max_new_tokens + 1

@@ -4,7 +4,9 @@ Per sequence: the context K/V of every layer come from hidden_norm(fc(F_t)) for 
 blocks are drafted in one forward with a block mask: a block at anchor a (positions a..a+B-1) sees the context
 t < a and its own B tokens (bidirectional), nothing else. Slot k predicts x_{a+k} through the target's frozen
 lm_head, weighted exp(-(k-1)/gamma). The anchor a is a bonus position of the runtime (a >= prompt length), so the
-block's root token is the target's own token there. Target embedding and lm_head stay frozen; the mask token has
+block's root token is the target's own token there. Labels are the target's greedy tokens given the true prefix
+(the token itself inside a greedy response), so blocks anchored in the prompt (teacher forcing, lower weight) add
+cheap training signal. Target embedding and lm_head stay frozen; the mask token has
 no row in the target's table, so the drafter learns its own `mask_embedding`.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ class DFlashOptions:
     mask_token_id: int | None = None    # None: the target's vocab size (a row the target does not have)
     init_from_target: bool = True
     loss_vocab_size: int = 16384       # cross-entropy over the most frequent tokens only (CPU cost); 0 = all
+    prompt_weight: float = 0.3         # loss weight of blocks anchored inside the prompt (teacher-forced labels)
 
     def __post_init__(self) -> None:
         if self.block_size < 2 or self.num_layers < 1 or self.anchors < 1:
@@ -88,7 +91,8 @@ class DFlashLoss:
         self.embed = target.embed_tokens.weight.detach().float()
         vocab = target.config.vocab_size
         self.loss_vocab = loss_vocab if loss_vocab is not None else torch.arange(vocab)
-        self.head = target.lm_head.weight.detach()[self.loss_vocab].float()       # [Vl, H], frozen
+        self.full_head = target.lm_head.weight.detach().float()
+        self.head = self.full_head[self.loss_vocab]       # [Vl, H], frozen
         # target id -> row of the loss vocabulary (-100: outside it, ignored by the loss)
         self.to_row = torch.full((vocab,), -100, dtype=torch.long)
         self.to_row[self.loss_vocab] = torch.arange(len(self.loss_vocab))
@@ -136,11 +140,27 @@ class DFlashLoss:
         return m.norm(x).view(a, b, -1)
 
     def sample_anchors(self, seq: SequenceData, generator: torch.Generator) -> torch.Tensor:
-        lo, hi = seq.prompt_len, len(seq.tokens) - 1            # a needs at least the label x_{a+1}
-        if hi <= lo:
+        """Distinct anchors in [1, T-1) (a needs context and the label at a+1); response anchors first."""
+        t, p = len(seq.tokens), seq.prompt_len
+        if t < 3:
             return torch.empty(0, dtype=torch.long)
-        n = min(self.opts.anchors, hi - lo)
-        return (lo + torch.randperm(hi - lo, generator=generator)[:n]).sort().values
+        resp = torch.arange(max(p, 1), t - 1)
+        prompt = torch.arange(1, min(p, t - 1))
+        n_resp = min(len(resp), self.opts.anchors)
+        n_prompt = min(len(prompt), self.opts.anchors - n_resp) if self.opts.prompt_weight > 0 else 0
+        picked = [resp[torch.randperm(len(resp), generator=generator)[:n_resp]],
+                  prompt[torch.randperm(len(prompt), generator=generator)[:n_prompt]]]
+        return torch.cat(picked).sort().values
+
+    def labels(self, seq: SequenceData, positions: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token at each position given the true prefix: argmax lm_head(hidden[pos - 1]).
+        In a greedy response that is the token itself; in the prompt (teacher forcing) and in sampled responses
+        it is what greedy verification would accept there."""
+        with torch.no_grad():
+            greedy = (seq.hidden[positions - 1].float() @ self.full_head.T).argmax(-1)
+        if seq.greedy:   # the exact token the (bf16) target chose, not a recomputation
+            return torch.where(positions >= seq.prompt_len, seq.tokens[positions], greedy)
+        return greedy
 
     def __call__(self, seq: SequenceData, generator: torch.Generator):
         anchors = self.sample_anchors(seq, generator)
@@ -150,18 +170,22 @@ class DFlashLoss:
         hidden = self.forward_blocks(seq.features[:, self.cols].float(), seq.tokens, anchors)
         label_pos = anchors[:, None] + torch.arange(1, b)           # [A, B-1]
         valid = label_pos < t
-        labels = self.to_row[seq.tokens[label_pos.clamp(max=t - 1)]]
+        greedy = self.labels(seq, label_pos.clamp(max=t - 1))
+        labels = self.to_row[greedy]
         valid = valid & (labels >= 0)
         logits = hidden[:, 1:] @ self.head.T                         # [A, B-1, Vl]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1),
                              reduction="none")
-        w = (self.slot_weight[None, :] * valid).reshape(-1)
+        block_w = torch.where(anchors >= seq.prompt_len, 1.0, self.opts.prompt_weight)     # [A]
+        w = (block_w[:, None] * self.slot_weight[None, :] * valid).reshape(-1)
         loss = (ce * w).sum() / w.sum()
         with torch.no_grad():
             hit = (logits.argmax(-1) == labels) & valid
             # expected accepted drafts per block if verified against these labels: the run of leading hits
             run = hit.long().cumprod(-1).sum(-1).float()
-            metrics = {"acc1": float(hit[:, 0].float().mean()), "accept": float(run.mean())}
+            resp = anchors >= seq.prompt_len
+            metrics = {"acc1": float(hit[resp, 0].float().mean()) if bool(resp.any()) else 0.0,
+                       "accept": float(run[resp].mean()) if bool(resp.any()) else 0.0}
         return loss, int(valid.sum()), metrics
 
 
