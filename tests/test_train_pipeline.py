@@ -47,6 +47,18 @@ def test_data_holds_target_greedy_tokens_and_features(workspace):
     assert seq.hidden.shape == (len(seq.tokens), 64)
 
 
+def test_batched_generator_reproduces_the_runtime_greedy_output(workspace):
+    engine = _engine(workspace, "engine-ar")
+    data = TrainingData(workspace / "data")
+    greedy = [data[i] for i in range(len(data)) if data[i].greedy][:3]
+    assert greedy
+    for seq in greedy:
+        response = seq.tokens[seq.prompt_len:].tolist()
+        out = engine.generate(seq.tokens[:seq.prompt_len].tolist(), GenerationConfig(max_new_tokens=len(response)))
+        k = min(len(out.token_ids), len(response))
+        assert out.token_ids[:k] == response[:k] and k > 0
+
+
 def test_losses_go_down(workspace):
     for run in ("e3", "df"):
         losses = [r["loss"] for r in read_log(workspace / run)]
@@ -185,3 +197,21 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
     assert report["lossless"] is True
     assert "mix" in report["eagle3"] and len(report["eagle3"]) >= 3   # json prompts exceed the tiny context
     assert report["eagle3"]["mix"]["tau"] >= 1.0
+
+
+def test_bundled_drafters_are_used_by_default_and_versioned(tmp_path, monkeypatch):
+    from whiflash_trt.builder import bundled
+    from whiflash_trt.builder.build import BuildOptions, with_bundled
+
+    folder = tmp_path / "assets" / "tiny"
+    (folder / "eagle3").mkdir(parents=True)
+    (folder / "eagle3" / "config.json").write_text("{}")
+    monkeypatch.setattr(bundled, "ASSETS", tmp_path / "assets")
+    b = bundled.bundled_for("tiny")
+    assert b.eagle3 == folder / "eagle3" and b.dflash is None and b.router is None
+    v1 = b.version()
+    (folder / "eagle3" / "config.json").write_text('{"changed": 1}')
+    assert bundled.bundled_for("tiny").version() != v1
+    opts = with_bundled(BuildOptions(target="tiny", output=tmp_path / "e"))
+    assert opts.ar_drafter == folder / "eagle3"
+    assert with_bundled(BuildOptions(target="tiny", output=tmp_path / "e", bundled=False)).ar_drafter is None

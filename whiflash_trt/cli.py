@@ -29,11 +29,14 @@ def build_main(argv: list[str] | None = None) -> int:
     p.add_argument("--ar-drafter", type=Path, help="EAGLE-3 drafter (Hugging Face folder, public format)")
     p.add_argument("--dllm-drafter", type=Path, help="DFlash drafter (Hugging Face folder, public format)")
     p.add_argument("--router", type=Path, help="neural router weights (router.safetensors or its folder)")
+    p.add_argument("--no-bundled", action="store_true",
+                   help="do not add the drafters/router the package ships for a named target (smollm2-135m)")
     args = p.parse_args(argv)
     try:
         out = build_engine(BuildOptions(target=args.target, output=args.output, dtype=args.dtype,
                                         block_size=args.block_size, ar_drafter=args.ar_drafter,
-                                        dllm_drafter=args.dllm_drafter, router=args.router))
+                                        dllm_drafter=args.dllm_drafter, router=args.router,
+                                        bundled=not args.no_bundled))
     except (WhiflashError, ValueError) as e:
         return _fail(str(e))
     print(f"engine written to {out}")
@@ -43,10 +46,12 @@ def build_main(argv: list[str] | None = None) -> int:
 def default_engine(cache_dir: Path) -> Path:
     """The embedded default target's engine, built once into the cache folder."""
     from whiflash_trt.builder.build import BuildOptions, build_engine
+    from whiflash_trt.builder.bundled import bundled_for
     from whiflash_trt.builder.sources import DEFAULT_TARGET
     from whiflash_trt.manifest import MANIFEST
 
-    engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16"
+    # The folder name carries the shipped drafters' hash: retrained drafters never reuse an old engine.
+    engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16-{bundled_for(DEFAULT_TARGET).version()}"
     if not (engine_dir / MANIFEST).is_file():
         print(f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)", file=sys.stderr)
         build_engine(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16"))

@@ -30,6 +30,7 @@ class BuildOptions:
     ar_drafter: Path | None = None     # EAGLE-3 checkpoint folder (public format)
     dllm_drafter: Path | None = None   # DFlash checkpoint folder (public format)
     router: Path | None = None         # neural router weights (safetensors)
+    bundled: bool = True               # named target: use the drafters/router the package ships for it
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -75,8 +76,22 @@ def _copy_folder(src: Path, dst: Path) -> dict:
     return {"path": dst.name, "source": str(src.resolve()), "sha256": file_sha256(files)}
 
 
+def with_bundled(opts: BuildOptions) -> BuildOptions:
+    """Fill in the package's drafters/router for a named target where the user gave none."""
+    from dataclasses import replace
+
+    from whiflash_trt.builder.bundled import bundled_for
+
+    if not opts.bundled:
+        return opts
+    bundle = bundled_for(opts.target)
+    return replace(opts, ar_drafter=opts.ar_drafter or bundle.eagle3, dllm_drafter=opts.dllm_drafter or bundle.dflash,
+                   router=opts.router or bundle.router)
+
+
 def build_engine(opts: BuildOptions) -> Path:
     """Write the engine into a temporary sibling folder and rename it at the end: never a half-built engine."""
+    opts = with_bundled(opts)
     out = Path(opts.output)
     source = resolve_target(opts.target)
     start = time.perf_counter()

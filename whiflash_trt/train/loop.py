@@ -45,6 +45,17 @@ def _lr(opts: LoopOptions, step: int) -> float:
     return opts.lr * min(1.0, (step + 1) / max(1, opts.warmup_steps))
 
 
+def _snapshot(run_dir: Path, state: RunState) -> None:
+    """Keep a copy of the exported drafter at this step (learning curves: tau against training tokens)."""
+    import shutil
+
+    dst = run_dir / "snapshots" / f"step-{state.step:06d}"
+    if not dst.exists():
+        shutil.copytree(run_dir / "export", dst)
+        (dst / "progress.json").write_text(f'{{"step": {state.step}, "tokens": {state.tokens}, '
+                                           f'"seconds": {state.seconds:.1f}}}\n')
+
+
 def train_loop(run_dir: Path, model: torch.nn.Module, data_folder: Path, loss_of: LossFn, opts: LoopOptions,
                export: Callable[[], None], extra: dict) -> RunState:
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +116,7 @@ def train_loop(run_dir: Path, model: torch.nn.Module, data_folder: Path, loss_of
         if time.perf_counter() - last_save >= opts.save_every_s:
             save_state(run_dir, model, optimizer, state, generator)
             export()
+            _snapshot(run_dir, state)
             last_save = time.perf_counter()
     bar.close()
     save_state(run_dir, model, optimizer, state, generator)
