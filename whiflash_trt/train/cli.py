@@ -102,12 +102,15 @@ def _dflash(sub) -> None:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--gamma", type=float)
     p.add_argument("--anchors", type=int, default=24)
+    p.add_argument("--loss-vocab", type=int, default=16384, help="CE over the most frequent tokens (0 = full vocab)")
+    p.add_argument("--prompt-weight", type=float, default=0.3)
 
 
 def _run_dflash(args) -> None:
     from whiflash_trt.train.dflash_trainer import DFlashOptions, train_dflash
 
-    opts = DFlashOptions(num_layers=args.layers, block_size=args.block_size, gamma=args.gamma, anchors=args.anchors)
+    opts = DFlashOptions(num_layers=args.layers, block_size=args.block_size, gamma=args.gamma, anchors=args.anchors,
+                         loss_vocab_size=args.loss_vocab, prompt_weight=args.prompt_weight)
     out = train_dflash(args.data, args.output, _data_target(args), opts, _loop_options(args))
     print(f"DFlash drafter written to {out}")
 
