@@ -191,6 +191,9 @@ def _run_eval(args) -> None:
             prompts.append(r)
     report = evaluate(engine, prompts, specs, args.max_new_tokens, progress=lambda xs: tqdm(xs, desc="eval"))
     report["prompts"] = dict(seen)
+    for folder in (args.eagle3, args.dflash):   # snapshots carry their training progress (learning curves)
+        if folder is not None and (folder / "progress.json").is_file():
+            report["progress"] = json.loads((folder / "progress.json").read_text())
     text = json.dumps(report, indent=1)
     if args.output:
         args.output.write_text(text + "\n")
