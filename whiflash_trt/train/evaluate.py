@@ -58,6 +58,8 @@ def evaluate(engine: Engine, prompts: list[PromptRecord], specs: dict[str, SpecC
                 s["seconds"] += seconds
                 for d, n in result.stats.get("rounds_per_drafter", {}).items():
                     s[f"rounds_{d}"] += n
+                for phase, sec in result.stats.get("phase_seconds", {}).items():
+                    s[f"phase_{phase}"] += sec
     out: dict = {"lossless": lossless}
     for name, cats in sums.items():
         out[name] = {}
@@ -69,6 +71,8 @@ def evaluate(engine: Engine, prompts: list[PromptRecord], specs: dict[str, SpecC
             for k, v in s.items():
                 if k.startswith("rounds_"):
                     out[name][cat][k] = int(v)
+                if k.startswith("phase_") and cat == "mix":   # seconds per round in each phase
+                    out[name][cat][k + "_per_round"] = round(v / max(1.0, s["rounds"]), 5)
     return out
 
 
