@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -112,6 +113,10 @@ def _write_shard(folder: Path, index: int, seqs: list[Finished]) -> dict:
             "prompt_index": [s.meta["index"] for s in seqs]}
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def generate_data(opts: DataOptions) -> Path:
     root = Path(opts.output)
     root.mkdir(parents=True, exist_ok=True)
@@ -146,7 +151,7 @@ def generate_data(opts: DataOptions) -> Path:
     prompts = read_prompts(root / f"prompts.{opts.split}.jsonl")
     done = {i for shard in manifest["shards"] for i in shard["prompt_index"]}
     eos = eos_ids(model, tokenizer)
-    max_len = opts.max_prompt_tokens + opts.max_new_tokens + 1
+    max_len = min(opts.max_prompt_tokens + opts.max_new_tokens + 1, model.config.max_position_embeddings)
     gen = BatchedGenerator(model, capture, opts.lanes, max_len, eos)
     rng = random.Random(opts.seed)
     temps = [opts.temperature if rng.random() < opts.sampled_fraction else 0.0 for _ in prompts]
@@ -158,23 +163,32 @@ def generate_data(opts: DataOptions) -> Path:
     bar = tqdm(total=len(todo), desc="sequences", unit="seq", mininterval=10)
     new_tokens, queue = 0, list(reversed(todo))
     start = time.perf_counter()
-    while queue or gen.active:
-        while queue and gen.free:
-            i = queue.pop()
-            ids = chat_ids(tokenizer, prompts[i].messages)
-            if len(ids) > opts.max_prompt_tokens:
-                bar.update(1)   # too long for this run's budget: skipped (a rerun skips it again)
-                continue
-            gen.add(ids, {"index": i, "temperature": temps[i], "category": prompts[i].category}, generator)
-        for seq in gen.step(opts.max_new_tokens, generator):
-            finished.append(seq)
-            new_tokens += len(seq.tokens) - seq.prompt_len
-            bar.update(1)
-        bar.set_postfix(resp_tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
-        if len(finished) >= opts.shard_size or (finished and not queue and not gen.active):
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while queue or gen.active:
+            while queue and gen.free:
+                i = queue.pop()
+                ids = chat_ids(tokenizer, prompts[i].messages)
+                if len(ids) > opts.max_prompt_tokens:
+                    bar.update(1)   # too long for this run's budget: skipped (a rerun skips it again)
+                    continue
+                gen.add(ids, {"index": i, "temperature": temps[i], "category": prompts[i].category}, generator)
+            for seq in (gen.step(opts.max_new_tokens, generator) if gen.active else []):
+                finished.append(seq)
+                new_tokens += len(seq.tokens) - seq.prompt_len
+                bar.update(1)
+            bar.set_postfix(resp_tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
+            if len(finished) >= opts.shard_size or (finished and not queue and not gen.active):
+                manifest["shards"].append(_write_shard(out, len(manifest["shards"]), finished))
+                _write_manifest(out, manifest)
+                finished = []
+    except KeyboardInterrupt:   # stopped (SIGTERM / Ctrl-C): keep what is generated, in-flight ones truncated
+        finished += gen.drain()
+        if finished:
             manifest["shards"].append(_write_shard(out, len(manifest["shards"]), finished))
             _write_manifest(out, manifest)
-            finished = []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     bar.close()
     return out
 

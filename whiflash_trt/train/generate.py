@@ -112,6 +112,18 @@ class BatchedGenerator:
         lane.next_token = self._choose(logits, meta.get("temperature", 0.0), generator)[0]
         self.active.append(lane)
 
+    def drain(self) -> list[Finished]:
+        """End every active sequence where it is (a truncated response is still the target's own text)."""
+        out = []
+        for ln in self.active:
+            feats, hidden = torch.cat(ln.feats), torch.cat(ln.hidden)
+            n = min(len(ln.tokens), feats.shape[0], hidden.shape[0])   # an interrupted step may be half-recorded
+            if n > ln.prompt_len:
+                out.append(Finished(ln.tokens[:n], ln.prompt_len, feats[:n], hidden[:n], ln.meta | {"truncated": True}))
+        self.free += [ln.index for ln in self.active]
+        self.active = []
+        return out
+
     def step(self, max_new_tokens: int, generator: torch.Generator) -> list[Finished]:
         """Feed every active lane's pending token; return the sequences that finished."""
         lanes = self.active = sorted(self.active, key=lambda ln: ln.index)   # all lanes busy -> a cache view
