@@ -215,3 +215,20 @@ def test_bundled_drafters_are_used_by_default_and_versioned(tmp_path, monkeypatc
     opts = with_bundled(BuildOptions(target="tiny", output=tmp_path / "e"))
     assert opts.ar_drafter == folder / "eagle3"
     assert with_bundled(BuildOptions(target="tiny", output=tmp_path / "e", bundled=False)).ar_drafter is None
+
+
+def test_generator_drain_keeps_in_flight_sequences_consistent(workspace):
+    from whiflash_trt.train.generate import BatchedGenerator
+    from whiflash_trt.train.target import load_target
+
+    model, tok = load_target(str(workspace / "target"), "fp32")
+    gen = BatchedGenerator(model, (1, 3, 4), lanes=2, max_len=128, eos_ids=())
+    g = torch.Generator().manual_seed(0)
+    gen.add([1, 5, 6, 7], {"index": 0, "temperature": 0.0}, g)
+    gen.add([1, 8, 9], {"index": 1, "temperature": 0.0}, g)
+    for _ in range(3):
+        assert gen.step(100, g) == []
+    drained = gen.drain()
+    assert [len(f.tokens) - f.prompt_len for f in drained] == [3, 3]
+    assert all(f.features.shape[0] == len(f.tokens) == f.hidden.shape[0] for f in drained)
+    assert gen.active == [] and sorted(gen.free) == [0, 1]
