@@ -232,3 +232,13 @@ def test_generator_drain_keeps_in_flight_sequences_consistent(workspace):
     assert [len(f.tokens) - f.prompt_len for f in drained] == [3, 3]
     assert all(f.features.shape[0] == len(f.tokens) == f.hidden.shape[0] for f in drained)
     assert gen.active == [] and sorted(gen.free) == [0, 1]
+
+
+def test_run_auto_mode_uses_what_the_engine_ships():
+    from whiflash_trt.cli import resolve_auto
+
+    assert resolve_auto("auto", "auto", {"eagle3", "dflash"}, True) == ("whiflash", "neural")
+    assert resolve_auto("auto", "auto", {"eagle3", "dflash"}, False) == ("whiflash", "entropy")
+    assert resolve_auto("auto", "auto", {"dflash"}, False)[0] == "dflash"
+    assert resolve_auto("auto", "auto", set(), False)[0] == "ar"
+    assert resolve_auto("ar", "entropy", {"eagle3", "dflash"}, True) == ("ar", "entropy")

@@ -107,9 +107,11 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--mode", default="ar", choices=list(MODES),
-                   help="ar: target only; eagle3 / dflash: one drafter; whiflash: routed per round")
-    p.add_argument("--router", default="entropy", choices=list(ROUTERS), help="whiflash routing policy")
+    p.add_argument("--mode", default="auto", choices=["auto", *MODES],
+                   help="ar: target only; eagle3 / dflash: one drafter; whiflash: routed per round; auto "
+                        "(default): whiflash when the engine has both drafters, else its one drafter, else ar")
+    p.add_argument("--router", default="auto", choices=["auto", *ROUTERS],
+                   help="whiflash routing policy; auto (default): neural when the engine has router weights")
     p.add_argument("--threshold", type=float, help="router threshold (default: the engine's calibrated one)")
     p.add_argument("--catch-up", default="lazy", choices=list(CATCH_UP),
                    help="lazy: update a drafter only when chosen; eager: update both every round")
@@ -123,6 +125,16 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where the default engine is built")
     return p
+
+
+def resolve_auto(mode: str, router: str, drafters: set[str], has_router: bool) -> tuple[str, str]:
+    """'auto' mode/router -> what the engine can do best: both drafters routed, else one, else target-only."""
+    if mode == "auto":
+        mode = ("whiflash" if {"eagle3", "dflash"} <= drafters else "eagle3" if "eagle3" in drafters
+                else "dflash" if "dflash" in drafters else "ar")
+    if router == "auto":
+        router = "neural" if has_router else "entropy"
+    return mode, router
 
 
 def run_main(argv: list[str] | None = None) -> int:
@@ -139,12 +151,13 @@ def _run(args) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
                            sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k,
                                                    top_p=args.top_p, seed=args.seed))
-    spec = SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold, catch_up=args.catch_up,
-                      tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
-                      tree_total_tokens=args.tree_total_tokens)
     prompts = _read_prompts(args)
     engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
     engine = Engine.load(engine_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=args.kv_budget_mb * 2**20)
+    mode, router = resolve_auto(args.mode, args.router, set(engine.proposers), engine.router_file is not None)
+    spec = SpecConfig(mode=mode, router=router, threshold=args.threshold, catch_up=args.catch_up,
+                      tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                      tree_total_tokens=args.tree_total_tokens)
     for record in prompts:
         ids = engine.encode(record["prompt"], chat=args.chat, system=args.system)
         printer = _StreamPrinter(engine.decode) if args.stream and not args.json else None
