@@ -10,7 +10,7 @@ from pathlib import Path
 
 from whiflash_trt.train.checkpointing import read_log
 from whiflash_trt.train.data import read_manifest
-from whiflash_trt.train.report import markdown_table, smoothed_curve
+from whiflash_trt.train.report import markdown_table, smoothed_curve, snapshot_taus
 
 CATS = ("code", "json", "math", "prose", "mix")
 
@@ -101,6 +101,12 @@ def build_card(data: Path, eagle3_run: Path, dflash_run: Path, final: Path, benc
                   f"DFlash only {sel['dflash']['tokens_per_s']:.2f}, neural (threshold "
                   f"{sel['neural']['threshold']}) {sel['neural']['tokens_per_s']:.2f}, entropy (threshold "
                   f"{sel['entropy']['threshold']}) {sel['entropy']['tokens_per_s']:.2f}\n"]
+    curve = sorted(final.glob("curve-*.json"))
+    if curve:
+        rows = sorted(snapshot_taus(curve), key=lambda r: (r["mode"], r["tokens"] or 0))
+        parts += ["## Learning curve (runtime tau of training snapshots)\n",
+                  "`whiflash-train eval` on snapshots (1 validation prompt per category, 48 new tokens):\n",
+                  markdown_table(rows)]
     if bench is not None and bench.is_file():
         parts += ["## Why these sizes\n", "One round's cost on this CPU (`scripts/bench_drafter_rounds.py`):\n",
                   "```\n" + bench.read_text().strip() + "\n```\n"]
