@@ -120,9 +120,13 @@ def main() -> None:
     p.add_argument("--dflash-run", type=Path, required=True)
     p.add_argument("--final", type=Path, required=True)
     p.add_argument("--bench", type=Path)
+    p.add_argument("--notes", type=Path, help="markdown appended as is (commands, assessment)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    args.out.write_text(build_card(args.data, args.eagle3_run, args.dflash_run, args.final, args.bench))
+    card = build_card(args.data, args.eagle3_run, args.dflash_run, args.final, args.bench)
+    if args.notes is not None:
+        card += "\n" + args.notes.read_text()
+    args.out.write_text(card)
 
 
 if __name__ == "__main__":
