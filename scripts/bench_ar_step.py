@@ -73,7 +73,7 @@ def step_time(engine, prompt: list[int], q: int, iters: int) -> float:
 
 
 def main() -> None:
-    from whiflash_trt.cli import DEFAULT_CACHE_DIR, default_engine
+    from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
     from whiflash_trt.runtime.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

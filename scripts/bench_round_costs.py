@@ -63,7 +63,7 @@ def catch_up_ms(engine, proposer, backlog, repeats=5):
 
 
 def main() -> None:
-    from whiflash_trt.cli import DEFAULT_CACHE_DIR, default_engine
+    from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--dflash-layers", type=int, default=2)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from whiflash_trt.config import (BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig,
                                  SpecConfig)
+from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
 from whiflash_trt.errors import WhiflashError
 
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
 
 
 def _fail(message: str) -> int:
@@ -50,6 +50,8 @@ def build_main(argv: list[str] | None = None) -> int:
     t.add_argument("--triton-torch-threads", type=int, default=0,
                    help="torch intra-op threads of each instance (0: torch's default, all cores; on a CPU server "
                         "with N instances, cores / N)")
+    p.add_argument("--no-bundled", action="store_true",
+                   help="do not add the drafters/router the package ships for a named target (smollm2-135m)")
     args = p.parse_args(argv)
     if args.target is not None and args.output is None:
         p.error("--target needs --output (the engine directory to write)")
@@ -62,7 +64,7 @@ def build_main(argv: list[str] | None = None) -> int:
             engine_dir = build_engine(BuildOptions(target=args.target, output=args.output, dtype=dtype,
                                                    block_size=args.block_size, ar_drafter=args.ar_drafter,
                                                    dllm_drafter=args.dllm_drafter, router=args.router,
-                                                   backend=args.backend))
+                                                   backend=args.backend, bundled=not args.no_bundled))
             print(f"engine written to {engine_dir}")
         if args.triton_repo is not None:
             repo = write_triton_repo(TritonRepoOptions(
@@ -99,19 +101,6 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (WhiflashError, ValueError, OSError) as e:
         return _fail(str(e))
     return 0  # not reached: exec_server replaces this process
-
-
-def default_engine(cache_dir: Path) -> Path:
-    """The embedded default target's engine, built once into the cache folder."""
-    from whiflash_trt.builder.build import BuildOptions, build_engine
-    from whiflash_trt.builder.sources import DEFAULT_TARGET
-    from whiflash_trt.manifest import MANIFEST
-
-    engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16"
-    if not (engine_dir / MANIFEST).is_file():
-        print(f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)", file=sys.stderr)
-        build_engine(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16"))
-    return engine_dir
 
 
 def _read_prompts(args) -> list[dict]:
@@ -167,9 +156,11 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--mode", default="ar", choices=list(MODES),
-                   help="ar: target only; eagle3 / dflash: one drafter; whiflash: routed per round")
-    p.add_argument("--router", default="entropy", choices=list(ROUTERS), help="whiflash routing policy")
+    p.add_argument("--mode", default="auto", choices=["auto", *MODES],
+                   help="ar: target only; eagle3 / dflash: one drafter; whiflash: routed per round; auto "
+                        "(default): whiflash when the engine has both drafters, else its one drafter, else ar")
+    p.add_argument("--router", default="auto", choices=["auto", *ROUTERS],
+                   help="whiflash routing policy; auto (default): neural when the engine has router weights")
     p.add_argument("--threshold", type=float, help="router threshold (default: the engine's calibrated one)")
     p.add_argument("--catch-up", default="lazy", choices=list(CATCH_UP),
                    help="lazy: update a drafter only when chosen; eager: update both every round")
@@ -187,6 +178,16 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_auto(mode: str, router: str, drafters: set[str], has_router: bool) -> tuple[str, str]:
+    """'auto' mode/router -> what the engine can do best: both drafters routed, else one, else target-only."""
+    if mode == "auto":
+        mode = ("whiflash" if {"eagle3", "dflash"} <= drafters else "eagle3" if "eagle3" in drafters
+                else "dflash" if "dflash" in drafters else "ar")
+    if router == "auto":
+        router = "neural" if has_router else "entropy"
+    return mode, router
+
+
 def run_main(argv: list[str] | None = None) -> int:
     args = run_parser().parse_args(argv)
     try:
@@ -201,13 +202,14 @@ def _run(args) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
                            sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k,
                                                    top_p=args.top_p, seed=args.seed))
-    spec = SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold, catch_up=args.catch_up,
-                      tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
-                      tree_total_tokens=args.tree_total_tokens)
     prompts = _read_prompts(args)
     engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
     engine = Engine.load(engine_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=args.kv_budget_mb * 2**20,
                          backend=args.backend)
+    mode, router = resolve_auto(args.mode, args.router, set(engine.proposers), engine.router_file is not None)
+    spec = SpecConfig(mode=mode, router=router, threshold=args.threshold, catch_up=args.catch_up,
+                      tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                      tree_total_tokens=args.tree_total_tokens)
     for record in prompts:
         ids = engine.encode(record["prompt"], chat=args.chat, system=args.system)
         printer = _StreamPrinter(engine.decode) if args.stream and not args.json else None

@@ -76,6 +76,6 @@ def engine_info(engine_dir: Path, engine, dtype: str) -> dict:
 
 def default_engine_dir() -> Path:
     """Like whiflash-run: the embedded default target's engine, built once into the cache folder."""
-    from whiflash_trt.cli import DEFAULT_CACHE_DIR, default_engine
+    from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
 
     return default_engine(DEFAULT_CACHE_DIR)

@@ -33,6 +33,7 @@ class BuildOptions:
     dllm_drafter: Path | None = None   # DFlash checkpoint folder (public format)
     router: Path | None = None         # neural router weights (safetensors)
     backend: str = "torch"             # torch | onnx (graphs for onnxruntime) | tensorrt (graphs + TensorRT engines)
+    bundled: bool = True               # named target: use the drafters/router the package ships for it
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -99,8 +100,22 @@ def export_graphs(opts: BuildOptions, ckpt: Checkpoint, dtype: torch.dtype, engi
     return section
 
 
+def with_bundled(opts: BuildOptions) -> BuildOptions:
+    """Fill in the package's drafters/router for a named target where the user gave none."""
+    from dataclasses import replace
+
+    from whiflash_trt.builder.bundled import bundled_for
+
+    if not opts.bundled:
+        return opts
+    bundle = bundled_for(opts.target)
+    return replace(opts, ar_drafter=opts.ar_drafter or bundle.eagle3, dllm_drafter=opts.dllm_drafter or bundle.dflash,
+                   router=opts.router or bundle.router)
+
+
 def build_engine(opts: BuildOptions) -> Path:
     """Write the engine into a temporary sibling folder and rename it at the end: never a half-built engine."""
+    opts = with_bundled(opts)
     out = Path(opts.output)
     if opts.backend == "tensorrt":
         import_tensorrt()   # fail at once, before any work, where TensorRT is not installed

@@ -1,0 +1,244 @@
+"""End to end on a tiny random target: data -> eagle3 / dflash training -> engine -> lossless decoding, with the
+runtime drafting exactly what the training forward computes."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.train_fixtures import make_tiny_target
+from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
+from whiflash_trt.train.checkpointing import read_log
+from whiflash_trt.train.cli import main as train_main
+from whiflash_trt.train.data import TrainingData
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_tiny_target(root / "target")
+    data = root / "data"
+    assert train_main(["data", "--target", str(target), "--output", str(data), "--per-category", "6",
+                       "--num-val", "1", "--num-router", "1", "--max-new-tokens", "24", "--lanes", "8",
+                       "--shard-size", "8", "--dtype", "fp32", "--max-prompt-tokens", "400"]) == 0
+    assert train_main(["data", "--target", str(target), "--output", str(data), "--split", "router",
+                       "--max-new-tokens", "24", "--lanes", "8", "--sampled-fraction", "0", "--dtype", "fp32",
+                       "--max-prompt-tokens", "400"]) == 0
+    common = ["--data", str(data), "--steps", str(STEPS), "--seqs-per-step", "2", "--lr", "3e-3",
+              "--warmup-steps", "2", "--no-progress"]
+    assert train_main(["eagle3", *common, "--output", str(root / "e3"), "--draft-vocab", "200"]) == 0
+    assert train_main(["dflash", *common, "--output", str(root / "df"), "--layers", "2", "--block-size", "4",
+                       "--anchors", "8"]) == 0
+    return root
+
+
+def test_data_holds_target_greedy_tokens_and_features(workspace):
+    data = TrainingData(workspace / "data")
+    manifest = data.manifest
+    assert manifest["capture_layers"] == [1, 3, 4]
+    assert len(data) > 0 and data.num_tokens() > 0
+    seq = data[0]
+    assert seq.features.shape == (len(seq.tokens), 3 * 64)
+    assert seq.hidden.shape == (len(seq.tokens), 64)
+
+
+def test_batched_generator_reproduces_the_runtime_greedy_output(workspace):
+    engine = _engine(workspace, "engine-ar")
+    data = TrainingData(workspace / "data")
+    greedy = [data[i] for i in range(len(data)) if data[i].greedy][:3]
+    assert greedy
+    for seq in greedy:
+        response = seq.tokens[seq.prompt_len:].tolist()
+        out = engine.generate(seq.tokens[:seq.prompt_len].tolist(), GenerationConfig(max_new_tokens=len(response)))
+        k = min(len(out.token_ids), len(response))
+        assert out.token_ids[:k] == response[:k] and k > 0
+
+
+def test_losses_go_down(workspace):
+    for run in ("e3", "df"):
+        losses = [r["loss"] for r in read_log(workspace / run)]
+        assert len(losses) == STEPS
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, (run, losses)
+
+
+def _engine(workspace, name, **drafters):
+    from whiflash_trt.builder.build import BuildOptions, build_engine
+    from whiflash_trt.runtime.engine import Engine
+
+    out = workspace / name
+    if not out.exists():
+        build_engine(BuildOptions(target=str(workspace / "target"), output=out, dtype="fp32", show_progress=False,
+                                  **drafters))
+    return Engine.load(out, dtype="fp32")
+
+
+def test_checkpoints_decode_losslessly_through_the_runtime(workspace):
+    engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
+                     dllm_drafter=workspace / "df" / "export")
+    gen = GenerationConfig(max_new_tokens=40)
+    gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for prompt in ("def add(a, b):", "The quick brown fox"):
+        ids = engine.encode(prompt)
+        ar = engine.generate(ids, gen, spec=SpecConfig(mode="ar")).token_ids
+        for mode in ("eagle3", "dflash", "whiflash"):
+            result = engine.generate(ids, gen, spec=SpecConfig(mode=mode))
+            assert result.token_ids == ar, mode
+            assert result.stats["tau"] >= 1.0
+
+
+def test_runtime_dflash_block_matches_training_forward(workspace):
+    from whiflash_trt.train.dflash_trainer import DFlashLoss, DFlashOptions
+
+    engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
+                     dllm_drafter=workspace / "df" / "export")
+    data = TrainingData(workspace / "data")
+    seq = next(data[i] for i in range(len(data)) if len(data[i].tokens) - data[i].prompt_len >= 6)
+    drafter = load_dflash(workspace / "df" / "export", engine.target.config).float()
+    loss = DFlashLoss(drafter, engine.target, data.feature_columns(drafter.config.capture_layers),
+                      DFlashOptions(num_layers=2, block_size=4, loss_vocab_size=0))
+    anchor = seq.prompt_len + 2
+    with torch.no_grad():
+        hidden = loss.forward_blocks(seq.features[:, loss.cols].float(), seq.tokens, torch.tensor([anchor]))
+    trained = (hidden[0, 1:] @ engine.target.lm_head.weight.T).argmax(-1).tolist()
+    # the runtime at the state "committed x_0..x_{anchor-1}, bonus x_anchor"
+    from whiflash_trt.runtime.sequence import Sequence
+
+    s = Sequence(seq.tokens[:anchor].tolist(), engine.allocator, engine.block_size)
+    s.reserve(anchor + 4)
+    s.commit(seq.tokens[:anchor].tolist(), int(seq.tokens[anchor]), seq.features[:anchor].clone())
+    proposer = engine.proposers["dflash"]
+    proposer.catch_up(s)
+    drafts = proposer.propose(s, SpecConfig(mode="dflash")).tree.tokens[1:]
+    s.free()
+    assert drafts == trained
+
+
+def test_runtime_eagle3_chain_matches_training_forward(workspace):
+    from whiflash_trt.runtime.sequence import Sequence
+    from whiflash_trt.train.eagle3_trainer import Eagle3Loss, Eagle3Options
+
+    engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
+                     dllm_drafter=workspace / "df" / "export")
+    data = TrainingData(workspace / "data")
+    seq = next(data[i] for i in range(len(data)) if len(data[i].tokens) - data[i].prompt_len >= 6)
+    n = seq.prompt_len + 2
+    s = Sequence(seq.tokens[:n].tolist(), engine.allocator, engine.block_size)
+    s.reserve(n + 16)
+    s.commit(seq.tokens[:n].tolist(), int(seq.tokens[n]), seq.features[:n].clone())
+    proposer = engine.proposers["eagle3"]
+    proposer.catch_up(s)
+    spec = SpecConfig(mode="eagle3", tree_top_k=1, tree_depth=3, tree_total_tokens=4)
+    drafts = proposer.propose(s, spec).tree.tokens[1:]
+    s.free()
+    # training forward over tokens x_0..x_{n-1}, b, d_1, d_2 with the drafter's own tokens as later inputs
+    drafter = load_eagle3(workspace / "e3" / "export", engine.target.config).float()
+    loss = Eagle3Loss(drafter, engine.target, data.feature_columns(drafter.config.capture_layers),
+                      Eagle3Options(ttt_steps=3))
+    tokens = torch.tensor(seq.tokens[:n + 1].tolist() + drafts[:-1])
+    feats = seq.features[:n].float()
+    base = torch.arange(n)
+    g = drafter.fc(feats[:, loss.cols])
+    k0v0, diag, trained = None, [], []
+    with torch.no_grad():
+        for j in range(3):
+            idx = (base + 1 + j).clamp(max=len(tokens) - 1)
+            h, k0v0, kv = loss.step_forward(loss.embed[tokens[idx]], g, base + j, k0v0, diag)
+            diag.append(kv)
+            trained.append(int(drafter.to_target_ids(drafter.draft_logprobs(h)[n - 1].argmax())))
+            g = h
+    assert drafts == trained
+
+
+def test_resume_continues_the_same_run(workspace, tmp_path):
+    data = workspace / "data"
+    common = ["--data", str(data), "--seqs-per-step", "2", "--lr", "3e-3", "--warmup-steps", "2", "--no-progress"]
+    for kind, extra in (("eagle3", ["--draft-vocab", "200"]), ("dflash", ["--layers", "1", "--block-size", "4"])):
+        straight, split = tmp_path / f"{kind}-straight", tmp_path / f"{kind}-split"
+        assert train_main([kind, *common, *extra, "--output", str(straight), "--steps", "4"]) == 0
+        assert train_main([kind, *common, *extra, "--output", str(split), "--steps", "2"]) == 0
+        assert train_main([kind, *common, *extra, "--output", str(split), "--steps", "4"]) == 0
+        a, b = read_log(straight), read_log(split)
+        assert [r["loss"] for r in a] == [r["loss"] for r in b], kind
+        wa = torch.load(straight / "state.pt", weights_only=False)["model"]
+        wb = torch.load(split / "state.pt", weights_only=False)["model"]
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), kind
+
+
+def test_router_command_writes_a_router_the_engine_uses(workspace):
+    from whiflash_trt.spec.router import load_router
+
+    out = workspace / "router.safetensors"
+    assert train_main(["router", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
+                       "--dflash", str(workspace / "df" / "export"), "--output", str(out), "--width", "16",
+                       "--cost-prompts", "1"]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["num_states"] > 0 and report["selection"]["neural"]["tokens_per_s"] > 0
+    router = load_router(out, 64)
+    assert router.threshold == report["selection"]["neural"]["threshold"]
+    engine = _engine(workspace, "engine-router", ar_drafter=workspace / "e3" / "export",
+                     dllm_drafter=workspace / "df" / "export", router=out)
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    ids = engine.encode("def add(a, b):")
+    ar = engine.generate(ids, gen, spec=SpecConfig(mode="ar")).token_ids
+    assert engine.generate(ids, gen, spec=SpecConfig(mode="whiflash", router="neural")).token_ids == ar
+
+
+def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
+    out = workspace / "eval.json"
+    assert train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
+                       "--dflash", str(workspace / "df" / "export"), "--per-category", "1",
+                       "--max-new-tokens", "16", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["lossless"] is True
+    assert "mix" in report["eagle3"] and len(report["eagle3"]) >= 3   # json prompts exceed the tiny context
+    assert report["eagle3"]["mix"]["tau"] >= 1.0
+
+
+def test_bundled_drafters_are_used_by_default_and_versioned(tmp_path, monkeypatch):
+    from whiflash_trt.builder import bundled
+    from whiflash_trt.builder.build import BuildOptions, with_bundled
+
+    folder = tmp_path / "assets" / "tiny"
+    (folder / "eagle3").mkdir(parents=True)
+    (folder / "eagle3" / "config.json").write_text("{}")
+    monkeypatch.setattr(bundled, "ASSETS", tmp_path / "assets")
+    b = bundled.bundled_for("tiny")
+    assert b.eagle3 == folder / "eagle3" and b.dflash is None and b.router is None
+    v1 = b.version()
+    (folder / "eagle3" / "config.json").write_text('{"changed": 1}')
+    assert bundled.bundled_for("tiny").version() != v1
+    opts = with_bundled(BuildOptions(target="tiny", output=tmp_path / "e"))
+    assert opts.ar_drafter == folder / "eagle3"
+    assert with_bundled(BuildOptions(target="tiny", output=tmp_path / "e", bundled=False)).ar_drafter is None
+
+
+def test_generator_drain_keeps_in_flight_sequences_consistent(workspace):
+    from whiflash_trt.train.generate import BatchedGenerator
+    from whiflash_trt.train.target import load_target
+
+    model, tok = load_target(str(workspace / "target"), "fp32")
+    gen = BatchedGenerator(model, (1, 3, 4), lanes=2, max_len=128, eos_ids=())
+    g = torch.Generator().manual_seed(0)
+    gen.add([1, 5, 6, 7], {"index": 0, "temperature": 0.0}, g)
+    gen.add([1, 8, 9], {"index": 1, "temperature": 0.0}, g)
+    for _ in range(3):
+        assert gen.step(100, g) == []
+    drained = gen.drain()
+    assert [len(f.tokens) - f.prompt_len for f in drained] == [3, 3]
+    assert all(f.features.shape[0] == len(f.tokens) == f.hidden.shape[0] for f in drained)
+    assert gen.active == [] and sorted(gen.free) == [0, 1]
+
+
+def test_run_auto_mode_uses_what_the_engine_ships():
+    from whiflash_trt.cli import resolve_auto
+
+    assert resolve_auto("auto", "auto", {"eagle3", "dflash"}, True) == ("whiflash", "neural")
+    assert resolve_auto("auto", "auto", {"eagle3", "dflash"}, False) == ("whiflash", "entropy")
+    assert resolve_auto("auto", "auto", {"dflash"}, False)[0] == "dflash"
+    assert resolve_auto("auto", "auto", set(), False)[0] == "ar"
+    assert resolve_auto("ar", "entropy", {"eagle3", "dflash"}, True) == ("ar", "entropy")

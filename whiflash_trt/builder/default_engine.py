@@ -1,0 +1,21 @@
+"""The embedded default target's engine (SmolLM2-135M with the drafters and router the package ships), built once
+into a cache folder whose name carries the shipped drafters' hash, so retrained drafters never reuse an old engine."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from whiflash_trt.builder.build import BuildOptions, build_engine
+from whiflash_trt.builder.bundled import bundled_for
+from whiflash_trt.builder.sources import DEFAULT_TARGET
+from whiflash_trt.manifest import MANIFEST
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
+
+
+def default_engine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
+    engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16-{bundled_for(DEFAULT_TARGET).version()}"
+    if not (engine_dir / MANIFEST).is_file():
+        print(f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)", file=sys.stderr)
+        build_engine(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16"))
+    return engine_dir

@@ -1,0 +1,220 @@
+"""`whiflash-train data|eagle3|dflash|router`: thin argument parsing around the trainers."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1 is fastest on a shared, loaded CPU)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _data(sub) -> None:
+    p = sub.add_parser("data", help="self-distillation data: prompts, the target's responses, cached features")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--capture-layers", default=None,
+                   help="comma-separated 0-based target layers to cache (default: EAGLE-3's 1, L/2-1, L-4)")
+    p.add_argument("--per-category", type=int, default=600)
+    p.add_argument("--num-val", type=int, default=12)
+    p.add_argument("--num-router", type=int, default=24)
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--lanes", type=int, default=64)
+    p.add_argument("--shard-size", type=int, default=64)
+    p.add_argument("--sampled-fraction", type=float, default=0.15)
+    p.add_argument("--max-sequences", type=int)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--split", default="train", choices=["train", "router"],
+                   help="router: responses to the held-out router prompts (written to OUTPUT/router/)")
+    _common(p)
+
+
+def _run_data(args) -> None:
+    from whiflash_trt.train.data import DataOptions, generate_data
+
+    layers = tuple(int(x) for x in args.capture_layers.split(",")) if args.capture_layers else None
+    generate_data(DataOptions(
+        target=args.target, output=args.output, capture_layers=layers, per_category=args.per_category,
+        num_val=args.num_val, num_router=args.num_router, max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens, lanes=args.lanes, shard_size=args.shard_size,
+        sampled_fraction=args.sampled_fraction, max_sequences=args.max_sequences, seed=args.seed, dtype=args.dtype,
+        split=args.split))
+
+
+def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, seqs: int) -> None:
+    p.add_argument("--data", type=Path, required=True, help="folder written by whiflash-train data")
+    p.add_argument("--output", type=Path, required=True, help="run folder (resumed if it holds a checkpoint)")
+    p.add_argument("--target", default=None, help="default: the target the data was made with")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--seqs-per-step", type=int, default=seqs)
+    p.add_argument("--save-every", type=float, default=300.0, help="seconds between checkpoints")
+    p.add_argument("--max-seconds", type=float, help="stop (resumably) after this much training time")
+    p.add_argument("--no-progress", action="store_true")
+    _common(p)
+
+
+def _loop_options(args):
+    from whiflash_trt.train.loop import LoopOptions
+    return LoopOptions(max_steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+                       seqs_per_step=args.seqs_per_step, save_every_s=args.save_every, max_seconds=args.max_seconds,
+                       seed=args.seed, show_progress=not args.no_progress)
+
+
+def _data_target(args):
+    from whiflash_trt.train.data import read_manifest
+    from whiflash_trt.train.target import load_target
+
+    manifest = read_manifest(args.data)
+    model, _ = load_target(args.target or manifest["target"], manifest["dtype"])
+    return model
+
+
+def _eagle3(sub) -> None:
+    p = sub.add_parser("eagle3", help="train an EAGLE-3 drafter (public EAGLE-3 checkpoint format)")
+    _loop_args(p, steps=2000, lr=6e-4, seqs=4)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--ttt-steps", type=int, default=4)
+    p.add_argument("--prompt-weight", type=float, default=0.2)
+    p.add_argument("--max-positions", type=int, default=768)
+
+
+def _run_eagle3(args) -> None:
+    from whiflash_trt.train.eagle3_trainer import Eagle3Options, train_eagle3
+
+    opts = Eagle3Options(draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps,
+                         prompt_weight=args.prompt_weight, max_positions=args.max_positions)
+    out = train_eagle3(args.data, args.output, _data_target(args), opts, _loop_options(args))
+    print(f"EAGLE-3 drafter written to {out}")
+
+
+def _dflash(sub) -> None:
+    p = sub.add_parser("dflash", help="train a DFlash drafter (public DFlash checkpoint format)")
+    _loop_args(p, steps=2000, lr=6e-4, seqs=4)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--gamma", type=float)
+    p.add_argument("--anchors", type=int, default=24)
+    p.add_argument("--loss-vocab", type=int, default=16384, help="CE over the most frequent tokens (0 = full vocab)")
+    p.add_argument("--prompt-weight", type=float, default=0.3)
+
+
+def _run_dflash(args) -> None:
+    from whiflash_trt.train.dflash_trainer import DFlashOptions, train_dflash
+
+    opts = DFlashOptions(num_layers=args.layers, block_size=args.block_size, gamma=args.gamma, anchors=args.anchors,
+                         loss_vocab_size=args.loss_vocab, prompt_weight=args.prompt_weight)
+    out = train_dflash(args.data, args.output, _data_target(args), opts, _loop_options(args))
+    print(f"DFlash drafter written to {out}")
+
+
+def _router(sub) -> None:
+    p = sub.add_parser("router", help="fit the neural router and calibrate both routers' thresholds")
+    p.add_argument("--data", type=Path, required=True, help="data folder; uses DATA/router/ (--split router)")
+    p.add_argument("--eagle3", type=Path, required=True, help="EAGLE-3 checkpoint folder")
+    p.add_argument("--dflash", type=Path, required=True, help="DFlash checkpoint folder")
+    p.add_argument("--output", type=Path, required=True, help="router.safetensors to write (+ .json report)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--max-states", type=int)
+    p.add_argument("--cost-prompts", type=int, default=4, help="validation prompts to time one round of each")
+    _common(p)
+
+
+def _run_router(args) -> None:
+    import json
+
+    from whiflash_trt.config import SpecConfig
+    from whiflash_trt.train.data import TrainingData, read_manifest, read_prompts
+    from whiflash_trt.train.evaluate import make_engine
+    from whiflash_trt.train.router_trainer import round_costs, train_router
+    from whiflash_trt.train.target import chat_ids, load_target
+
+    manifest = read_manifest(args.data)
+    target, tokenizer = load_target(args.target or manifest["target"], manifest["dtype"])
+    engine = make_engine(target, tokenizer, args.eagle3, args.dflash)
+    spec = SpecConfig(mode="whiflash")
+    val = read_prompts(args.data / "prompts.val.jsonl")
+    picks = [next(r for r in val if r.category == c) for c in sorted({r.category for r in val})][:args.cost_prompts]
+    cost = round_costs(engine, [chat_ids(tokenizer, r.messages) for r in picks], spec)
+    report = train_router(engine, TrainingData(args.data / "router"), args.output, spec, cost, width=args.width,
+                          max_states=args.max_states, seed=args.seed)
+    args.output.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "selection"}, indent=1))
+    print(json.dumps(report["selection"], indent=1))
+
+
+def _eval(sub) -> None:
+    p = sub.add_parser("eval", help="acceptance length per category on the validation prompts, via the runtime")
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--eagle3", type=Path)
+    p.add_argument("--dflash", type=Path)
+    p.add_argument("--router", type=Path)
+    p.add_argument("--target", default=None)
+    p.add_argument("--per-category", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--modes", default=None, help="comma-separated: ar,eagle3,dflash,whiflash-entropy,whiflash-neural")
+    p.add_argument("--output", type=Path, help="JSON report")
+    _common(p)
+
+
+def _run_eval(args) -> None:
+    import json
+
+    from tqdm import tqdm
+
+    from whiflash_trt.train.data import read_manifest, read_prompts
+    from whiflash_trt.train.evaluate import default_specs, evaluate, make_engine
+    from whiflash_trt.train.target import load_target
+
+    manifest = read_manifest(args.data)
+    target, tokenizer = load_target(args.target or manifest["target"], manifest["dtype"])
+    engine = make_engine(target, tokenizer, args.eagle3, args.dflash, args.router)
+    specs = default_specs(args.eagle3 is not None, args.dflash is not None, args.router is not None)
+    if args.modes:
+        specs = {k: v for k, v in specs.items() if k in args.modes.split(",")}
+    from whiflash_trt.train.target import chat_ids
+
+    limit = manifest["options"]["max_prompt_tokens"]
+    seen: dict = {}
+    prompts = []
+    for r in read_prompts(args.data / "prompts.val.jsonl"):
+        if seen.get(r.category, 0) < args.per_category and len(chat_ids(tokenizer, r.messages)) <= limit:
+            seen[r.category] = seen.get(r.category, 0) + 1
+            prompts.append(r)
+    report = evaluate(engine, prompts, specs, args.max_new_tokens, progress=lambda xs: tqdm(xs, desc="eval"))
+    report["prompts"] = dict(seen)
+    for folder in (args.eagle3, args.dflash):   # snapshots carry their training progress (learning curves)
+        if folder is not None and (folder / "progress.json").is_file():
+            report["progress"] = json.loads((folder / "progress.json").read_text())
+    text = json.dumps(report, indent=1)
+    if args.output:
+        args.output.write_text(text + "\n")
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="whiflash-train", description="Train EAGLE-3, DFlash and the router.")
+    sub = p.add_subparsers(dest="command", required=True)
+    _data(sub)
+    _eagle3(sub)
+    _dflash(sub)
+    _router(sub)
+    _eval(sub)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    {"data": _run_data, "eagle3": _run_eagle3, "dflash": _run_dflash, "router": _run_router,
+     "eval": _run_eval}[args.command](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The training loop both drafter trainers share: data order, optimizer, checkpoints, logs, progress bar.
+
+A trainer supplies the model and `loss_of(sequence, generator) -> (loss, num_positions, metrics)`; the loop does
+AdamW(0.9, 0.95) with warmup, gradient clipping, an optimizer step every `seqs_per_step` sequences, a checkpoint
+every `save_every_s` seconds (and at the end), and stops after `max_steps` steps or `max_seconds` of training.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from whiflash_trt.train.checkpointing import (DataCursor, RunState, append_log, epoch_order, load_state, save_state,
+                                              truncate_log)
+from whiflash_trt.train.data import TrainingData
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    max_steps: int
+    lr: float = 6e-4
+    warmup_steps: int = 20
+    seqs_per_step: int = 4
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    save_every_s: float = 300.0
+    max_seconds: float | None = None
+    seed: int = 0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_steps <= 0 or self.seqs_per_step <= 0:
+            raise ValueError(f"max_steps and seqs_per_step must be positive, got {self.max_steps}, "
+                             f"{self.seqs_per_step}")
+
+
+LossFn = Callable[[object, torch.Generator], tuple[torch.Tensor, int, dict]]
+
+
+def _lr(opts: LoopOptions, step: int) -> float:
+    return opts.lr * min(1.0, (step + 1) / max(1, opts.warmup_steps))
+
+
+def _snapshot(run_dir: Path, state: RunState) -> None:
+    """Keep a copy of the exported drafter at this step (learning curves: tau against training tokens)."""
+    import shutil
+
+    dst = run_dir / "snapshots" / f"step-{state.step:06d}"
+    if not dst.exists():
+        shutil.copytree(run_dir / "export", dst)
+        (dst / "progress.json").write_text(f'{{"step": {state.step}, "tokens": {state.tokens}, '
+                                           f'"seconds": {state.seconds:.1f}}}\n')
+
+
+def train_loop(run_dir: Path, model: torch.nn.Module, data_folder: Path, loss_of: LossFn, opts: LoopOptions,
+               export: Callable[[], None], extra: dict) -> RunState:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
+    generator = torch.Generator().manual_seed(opts.seed)
+    state = load_state(run_dir, model, optimizer, generator)
+    if state is None:
+        state = RunState(extra=extra)
+        torch.manual_seed(opts.seed)
+    truncate_log(run_dir, state.step)
+    data = TrainingData(data_folder, state.cursor.num_shards)
+    if state.cursor.num_shards is None:
+        state.cursor.num_shards = len(data.manifest["shards"])
+    order = epoch_order(len(data), opts.seed, state.cursor.epoch)
+    bar = tqdm(total=opts.max_steps, initial=state.step, desc=run_dir.name, disable=not opts.show_progress,
+               mininterval=5)
+    last_save, session_start, session_tokens = time.perf_counter(), time.perf_counter(), 0
+    model.train()
+    while state.step < opts.max_steps:
+        if opts.max_seconds is not None and state.seconds >= opts.max_seconds:
+            break
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(opts, state.step)
+        optimizer.zero_grad(set_to_none=True)
+        total, positions, metrics_sum = 0.0, 0, {}
+        for _ in range(opts.seqs_per_step):
+            if state.cursor.position >= len(order):   # next epoch: pick up shards written since
+                data = TrainingData(data_folder)
+                state.cursor = DataCursor(state.cursor.epoch + 1, 0, len(data.manifest["shards"]))
+                order = epoch_order(len(data), opts.seed, state.cursor.epoch)
+            seq = data[order[state.cursor.position]]
+            state.cursor.position += 1
+            loss, n, metrics = loss_of(seq, generator)
+            if n == 0:
+                continue
+            (loss / opts.seqs_per_step).backward()
+            total += float(loss.detach())
+            positions += n
+            for k, v in metrics.items():
+                metrics_sum[k] = metrics_sum.get(k, 0.0) + v
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts.grad_clip))
+        optimizer.step()
+        dt = time.perf_counter() - t0
+        state.step += 1
+        state.tokens += positions
+        state.seconds += dt
+        session_tokens += positions
+        record = {"step": state.step, "loss": round(total / opts.seqs_per_step, 5), "positions": positions,
+                  "tokens": state.tokens, "seconds": round(state.seconds, 2), "grad_norm": round(grad_norm, 4),
+                  "lr": _lr(opts, state.step - 1), "epoch": state.cursor.epoch}
+        record.update({k: round(v / opts.seqs_per_step, 5) for k, v in metrics_sum.items()})
+        append_log(run_dir, record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}",
+                        tok_s=f"{session_tokens / (time.perf_counter() - session_start):.0f}")
+        if time.perf_counter() - last_save >= opts.save_every_s:
+            save_state(run_dir, model, optimizer, state, generator)
+            export()
+            _snapshot(run_dir, state)
+            last_save = time.perf_counter()
+    bar.close()
+    save_state(run_dir, model, optimizer, state, generator)
+    export()
+    return state

@@ -1,0 +1,133 @@
+"""Write MODEL_CARD.md for shipped drafters from the run folders' own records (no number typed by hand).
+
+    python -m whiflash_trt.train.model_card --data DATA --eagle3-run RUN --dflash-run RUN --final FINAL --out CARD
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from whiflash_trt.train.checkpointing import read_log
+from whiflash_trt.train.data import read_manifest
+from whiflash_trt.train.report import markdown_table, smoothed_curve, snapshot_taus
+
+CATS = ("code", "json", "math", "prose", "mix")
+
+
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _tau_table(reports: list[dict]) -> str:
+    rows = []
+    for report in reports:
+        for mode, cats in report.items():
+            if not isinstance(cats, dict) or "mix" not in cats:
+                continue
+            rows.append({"mode": mode, **{c: cats.get(c, {}).get("tau") for c in CATS},
+                         "tokens/s (mix)": cats["mix"].get("tokens_per_s")})
+    return markdown_table(rows)
+
+
+def _data_section(data: Path) -> str:
+    m = read_manifest(data)
+    shards = m["shards"]
+    seqs = sum(s["num_sequences"] for s in shards)
+    toks = sum(s["num_tokens"] for s in shards)
+    resp = sum(s["num_response_tokens"] for s in shards)
+    lines = [f"- target: `{m['target']}` ({m['dtype']}), captured layers {m['capture_layers']} (0-based layer outputs)",
+             f"- training data actually generated: {seqs} sequences, {toks} tokens, of which {resp} response tokens "
+             f"(the target's own greedy responses, ~15% sampled at T=0.7), {len(shards)} shards",
+             f"- prompt splits (category:source -> count): train {m['prompts']['train']}, "
+             f"validation {m['prompts']['val']}, router {m['prompts']['router']}",
+             f"- disjointness from the benchmark: {m['disjointness']}"]
+    router = data / "router" / "manifest.json"
+    if router.is_file():
+        r = json.loads(router.read_text())
+        lines.append(f"- router data: {sum(s['num_sequences'] for s in r['shards'])} greedy responses "
+                     f"({sum(s['num_response_tokens'] for s in r['shards'])} response tokens) to held-out router "
+                     f"prompts")
+    return "\n".join(lines) + "\n"
+
+
+def _run_section(name: str, run: Path) -> str:
+    log = read_log(run)
+    if not log:
+        return f"{name}: no training log\n"
+    last = log[-1]
+    head = (f"{name}: {last['step']} optimizer steps, {last['tokens']} training positions, "
+            f"{last['seconds'] / 60:.1f} min of training (epochs over the data: {last['epoch'] + 1}).\n\n")
+    return head + markdown_table(smoothed_curve(run, every=max(1, len(log) // 8)))
+
+
+def build_card(data: Path, eagle3_run: Path, dflash_run: Path, final: Path, bench: Path | None) -> str:
+    e3_cfg = json.loads((final / "eagle3" / "config.json").read_text())
+    df_cfg = json.loads((final / "dflash" / "config.json").read_text())
+    evals = [r for r in (_json(final / "eval-static.json"), _json(final / "eval-router.json")) if r]
+    router = _json(final / "router.json")
+    parts = ["# Drafters and router for SmolLM2-135M-Instruct (whiflash-trt)\n",
+             "Trained on one shared, heavily loaded 2-core CPU within a single ~2.5 h session: these are small, "
+             "briefly trained drafters. Every number below was measured by the commands listed and copied from "
+             "their output files by `python -m whiflash_trt.train.model_card`.\n",
+             "## Files\n",
+             f"- `eagle3/`: EAGLE-3 (public format), hidden {e3_cfg['hidden_size']}, 1 midlayer, heads "
+             f"{e3_cfg['num_attention_heads']}/{e3_cfg['num_key_value_heads']}, intermediate "
+             f"{e3_cfg['intermediate_size']}, draft vocab {e3_cfg['draft_vocab_size']}, rope theta "
+             f"{e3_cfg['rope_theta']}, aux layers {e3_cfg['eagle_config']['eagle_aux_hidden_state_layer_ids']}",
+             f"- `dflash/`: DFlash (public format), {df_cfg['num_hidden_layers']} layers, block size "
+             f"{df_cfg['block_size']}, target_layer_ids {df_cfg['dflash_config']['target_layer_ids']}, mask token "
+             f"{df_cfg['dflash_config']['mask_token_id']} (outside SmolLM2's 49152-row table: the drafter carries "
+             f"`mask_embedding`)",
+             "- `router.safetensors`: WhiFlash-Neural router (576 -> 64 -> GELU -> 1, predicts AL(DFlash) - "
+             "AL(EAGLE-3)) with calibrated neural and entropy thresholds in its metadata\n",
+             "## Data\n", _data_section(data),
+             "## Training\n", _run_section("EAGLE-3", eagle3_run), "\n", _run_section("DFlash", dflash_run), "\n"]
+    if evals:
+        parts += ["## Validation acceptance length (runtime, greedy, bf16, validation prompts)\n",
+                  "Mean tau per round (accepted drafts + 1), EAGLE-3 tree top_k 4 / depth 5 / 16 nodes, DFlash "
+                  "block as configured; `lossless` = every speculative output equal to the target-only output.\n",
+                  _tau_table(evals)]
+        parts.append("lossless: " + ", ".join(str(r.get("lossless")) for r in evals) + "\n")
+    if router:
+        sel = router["selection"]
+        parts += ["## Router\n",
+                  f"- states measured: {router['num_states']} (train {router['num_train']}, val {router['num_val']}); "
+                  f"mean AL there: {json.dumps({k: round(v, 3) for k, v in router['mean_al'].items()})}",
+                  f"- MSE on dAL: train {router['train_mse']:.3f}, val {router['val_mse']:.3f} (variance of dAL on "
+                  f"val {router['val_var_dal']})",
+                  f"- seconds per round measured here: {json.dumps({k: round(v, 4) for k, v in router['round_seconds'].items()})}",
+                  f"- replayed tokens/s on the router-val states: EAGLE-3 only {sel['eagle3']['tokens_per_s']:.2f}, "
+                  f"DFlash only {sel['dflash']['tokens_per_s']:.2f}, neural (threshold "
+                  f"{sel['neural']['threshold']}) {sel['neural']['tokens_per_s']:.2f}, entropy (threshold "
+                  f"{sel['entropy']['threshold']}) {sel['entropy']['tokens_per_s']:.2f}\n"]
+    curve = sorted(final.glob("curve-*.json"))
+    if curve:
+        rows = sorted(snapshot_taus(curve), key=lambda r: (r["mode"], r["tokens"] or 0))
+        parts += ["## Learning curve (runtime tau of training snapshots)\n",
+                  "`whiflash-train eval` on snapshots (1 validation prompt per category, 48 new tokens):\n",
+                  markdown_table(rows)]
+    if bench is not None and bench.is_file():
+        parts += ["## Why these sizes\n", "One round's cost on this CPU (`scripts/bench_drafter_rounds.py`):\n",
+                  "```\n" + bench.read_text().strip() + "\n```\n"]
+    return "\n".join(parts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--eagle3-run", type=Path, required=True)
+    p.add_argument("--dflash-run", type=Path, required=True)
+    p.add_argument("--final", type=Path, required=True)
+    p.add_argument("--bench", type=Path)
+    p.add_argument("--notes", type=Path, help="markdown appended as is (commands, assessment)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    card = build_card(args.data, args.eagle3_run, args.dflash_run, args.final, args.bench)
+    if args.notes is not None:
+        card += "\n" + args.notes.read_text()
+    args.out.write_text(card)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""`whiflash-train router`: measure both drafters from the same states, fit the neural router, pick thresholds.
+
+Data: the target's greedy responses to held-out router prompts (whiflash-train data --split router). Greedy
+verification is deterministic, so a drafter's acceptance length at state N (x_0..x_{N-1} committed, x_N pending)
+is the longest prefix of its draft (tree path or block) that matches the target's own continuation x_{N+1}...:
+no verify pass is needed. Both drafters run through the runtime proposers (catch-up + propose) on one Sequence.
+The router's input is what the engine gives it after a verify that left x_N pending: the target's final-norm hidden
+state at N-1 (RouteSignal.hidden) and the entropy of its logits there.
+
+Thresholds: a greedy walk through each held-out response (start at the prompt, choose a drafter, advance by its
+acceptance length) replays what the engine would do; its tokens per second uses the measured seconds of one round
+of each drafter on this machine. The threshold maximising that is the default.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from whiflash_trt.config import SpecConfig
+from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.runtime.sequence import Sequence
+from whiflash_trt.spec.router import EntropyRouter, RouteSignal, RouterMLP, entropy_of, save_router
+from whiflash_trt.spec.tree import DraftTree
+from whiflash_trt.train.data import TrainingData
+
+
+@dataclass
+class StateRecord:
+    seq: int
+    position: int             # N
+    al_eagle3: int
+    al_dflash: int
+    entropy: float
+    hidden: torch.Tensor      # [H]
+
+
+def accepted_length(tree: DraftTree, continuation: list[int]) -> int:
+    """Accepted drafts + 1 under greedy verification against the known continuation x_{N+1}, x_{N+2}, ..."""
+    node, depth = 0, 0
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(tree.parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i)
+    while depth < len(continuation):
+        nxt = next((c for c in children.get(node, []) if tree.tokens[c] == continuation[depth]), None)
+        if nxt is None:
+            break
+        node, depth = nxt, depth + 1
+    return depth + 1
+
+
+@torch.inference_mode()
+def measure_states(engine: Engine, data: TrainingData, spec: SpecConfig, max_states: int | None = None,
+                   progress: bool = True) -> list[StateRecord]:
+    """Acceptance length of both drafters at every response position of every router sequence."""
+    e3, df = engine.proposers["eagle3"], engine.proposers["dflash"]
+    horizon = max(df.block_size - 1, spec.tree_depth)
+    records: list[StateRecord] = []
+    head = engine.target.lm_head
+    bar = tqdm(total=max_states, desc="router states", disable=not progress, mininterval=10)
+    for k in range(len(data)):
+        s = data[k]
+        tokens = s.tokens.tolist()
+        t = len(tokens)
+        first, last = s.prompt_len, t - 1 - horizon
+        if last <= first:
+            continue
+        seq = Sequence(tokens[:first], engine.allocator, engine.block_size)
+        try:
+            seq.reserve(t + spec.tree_total_tokens + spec.tree_depth * spec.tree_top_k)
+            seq.commit(tokens[:first], tokens[first], s.features[:first].to(engine.target.embed_tokens.weight.dtype),
+                       {"eagle3": 0, "dflash": 0})
+            for n in range(first, last):
+                if n > seq.num_committed:
+                    seq.commit(tokens[seq.num_committed:n], tokens[n],
+                               s.features[seq.num_committed:n].to(engine.target.embed_tokens.weight.dtype),
+                               dict(seq.frontiers))
+                cont = tokens[n + 1:n + 1 + horizon]
+                fe, fd = e3.catch_up(seq), df.catch_up(seq)
+                al_e = accepted_length(e3.propose(seq, spec).tree, cont)
+                al_d = accepted_length(df.propose(seq, spec).tree, cont)
+                seq.frontiers.update({"eagle3": fe, "dflash": fd})
+                hidden = s.hidden[n - 1]
+                records.append(StateRecord(k, n, al_e, al_d, entropy_of(head(hidden[None].to(head.weight.dtype))[0]),
+                                           hidden.float()))
+                bar.update(1)
+                if max_states is not None and len(records) >= max_states:
+                    return records
+        finally:
+            seq.free()
+    bar.close()
+    return records
+
+
+def fit_router(records: list[StateRecord], width: int = 64, epochs: int = 300, lr: float = 3e-3,
+               seed: int = 0) -> tuple[RouterMLP, dict]:
+    """MSE on dAL = AL(DFlash) - AL(EAGLE-3); full-batch AdamW (the data is a few thousand states)."""
+    torch.manual_seed(seed)
+    x = torch.stack([r.hidden for r in records])
+    y = torch.tensor([float(r.al_dflash - r.al_eagle3) for r in records])
+    mlp = RouterMLP(x.shape[1], width)
+    opt = torch.optim.AdamW(mlp.parameters(), lr=lr, weight_decay=1e-2)
+    for _ in range(epochs):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(mlp(x), y)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        pred = mlp(x)
+    return mlp, {"train_mse": float(torch.nn.functional.mse_loss(pred, y)), "var_dal": float(y.var())}
+
+
+def simulate(records: list[StateRecord], choose, cost: dict[str, float]) -> dict:
+    """Replay greedy generation: from each sequence's first state, choose a drafter, jump by its acceptance
+    length. `choose(record) -> "eagle3" | "dflash"`; returns tokens, seconds (by round cost), tokens/s, tau."""
+    by_seq: dict[int, dict[int, StateRecord]] = {}
+    for r in records:
+        by_seq.setdefault(r.seq, {})[r.position] = r
+    tokens, seconds, rounds, picks = 0, 0.0, 0, {"eagle3": 0, "dflash": 0}
+    for states in by_seq.values():
+        n = min(states)
+        reset = getattr(choose, "reset", None)
+        if reset:
+            reset()
+        while n in states:
+            r = states[n]
+            name = choose(r)
+            al = r.al_dflash if name == "dflash" else r.al_eagle3
+            tokens, seconds, rounds = tokens + al, seconds + cost[name], rounds + 1
+            picks[name] += 1
+            n += al
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "tau": tokens / rounds if rounds else 0.0, "rounds": picks}
+
+
+class _EntropyChoice:
+    def __init__(self, threshold: float) -> None:
+        self.router = EntropyRouter(threshold)
+
+    def reset(self) -> None:
+        self.router.reset()
+
+    def __call__(self, r: StateRecord) -> str:
+        return self.router.choose(RouteSignal(r.entropy, r.hidden))
+
+
+def pick_thresholds(mlp: RouterMLP, records: list[StateRecord], cost: dict[str, float]) -> dict:
+    """Grid over thresholds; returns the best neural and entropy thresholds and the static baselines."""
+    with torch.no_grad():
+        preds = {id(r): float(p) for r, p in zip(records, mlp(torch.stack([r.hidden for r in records])))}
+    result = {"eagle3": simulate(records, lambda r: "eagle3", cost),
+              "dflash": simulate(records, lambda r: "dflash", cost)}
+    neural = [(simulate(records, lambda r, th=th: "dflash" if preds[id(r)] > th else "eagle3", cost), th)
+              for th in [x / 4 for x in range(-12, 13)]]
+    best_n = max(neural, key=lambda p: p[0]["tokens_per_s"])
+    entropy = [(simulate(records, _EntropyChoice(th), cost), th) for th in [x / 4 for x in range(1, 25)]]
+    best_e = max(entropy, key=lambda p: p[0]["tokens_per_s"])
+    result.update({"neural": best_n[0] | {"threshold": best_n[1]}, "entropy": best_e[0] | {"threshold": best_e[1]}})
+    return result
+
+
+@torch.inference_mode()
+def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, max_new_tokens: int = 48) -> dict:
+    """Mean seconds per round of each single-drafter mode on this machine (draft + verify + commit)."""
+    from whiflash_trt.config import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    out = {}
+    for name in ("eagle3", "dflash"):
+        secs, rounds = 0.0, 0
+        for ids in prompt_ids:
+            st = engine.generate(ids, gen, spec=SpecConfig(mode=name, tree_top_k=spec.tree_top_k,
+                                                           tree_depth=spec.tree_depth,
+                                                           tree_total_tokens=spec.tree_total_tokens)).stats
+            secs += sum(st["phase_seconds"].values())
+            rounds += st["rounds"]
+        out[name] = secs / max(1, rounds)
+    return out
+
+
+def train_router(engine: Engine, data: TrainingData, out_path: Path, spec: SpecConfig, cost: dict[str, float],
+                 val_fraction: float = 0.3, width: int = 64, max_states: int | None = None, seed: int = 0) -> dict:
+    records = measure_states(engine, data, spec, max_states)
+    seqs = sorted({r.seq for r in records})
+    random.Random(seed).shuffle(seqs)
+    val_seqs = set(seqs[:max(1, math.ceil(len(seqs) * val_fraction))])
+    train = [r for r in records if r.seq not in val_seqs]
+    val = [r for r in records if r.seq in val_seqs]
+    mlp, fit = fit_router(train, width=width, seed=seed)
+    with torch.no_grad():
+        y = torch.tensor([float(r.al_dflash - r.al_eagle3) for r in val])
+        val_mse = float(torch.nn.functional.mse_loss(mlp(torch.stack([r.hidden for r in val])), y))
+    chosen = pick_thresholds(mlp, val, cost)
+    save_router(mlp, out_path, chosen["neural"]["threshold"], chosen["entropy"]["threshold"])
+    return {"num_states": len(records), "num_train": len(train), "num_val": len(val), **fit, "val_mse": val_mse,
+            "val_var_dal": float(y.var()) if len(y) > 1 else None, "round_seconds": cost, "selection": chosen,
+            "mean_al": {"eagle3": sum(r.al_eagle3 for r in records) / len(records),
+                        "dflash": sum(r.al_dflash for r in records) / len(records)}}

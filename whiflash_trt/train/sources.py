@@ -1,0 +1,153 @@
+"""Training prompt sources that install offline, each disjoint from what the benchmark uses.
+
+Every prompt is a PromptRecord: a category (code, json, math, prose), its source, and chat messages. Disjointness:
+- reasoning-gym: seeds >= 1000 only (the benchmark draws seeds < 1000);
+- bfcl-eval: every subset except BFCL_v4_simple_python and BFCL_v4_multiple (the benchmark's);
+- code: signatures + docstrings of Python standard-library functions (never HumanEval);
+- prose: questions about standard-library modules and functions, from their docstrings.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import random
+import sysconfig
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CATEGORIES = ("code", "json", "math", "prose")
+RG_MIN_SEED = 1000
+BFCL_BENCHMARK_SUBSETS = ("BFCL_v4_simple_python", "BFCL_v4_multiple")
+BFCL_TRAIN_SUBSETS = ("BFCL_v4_parallel", "BFCL_v4_parallel_multiple", "BFCL_v4_live_simple", "BFCL_v4_live_multiple",
+                      "BFCL_v4_live_parallel", "BFCL_v4_live_parallel_multiple", "BFCL_v4_simple_java",
+                      "BFCL_v4_simple_javascript")
+RG_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "simple_equations", "fraction_simplification",
+            "decimal_arithmetic", "leg_counting", "gcd", "lcm", "prime_factorization", "number_sorting",
+            "word_sorting", "calendar_arithmetic", "time_intervals", "base_conversion")
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    category: str
+    source: str
+    messages: tuple[dict, ...]
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"messages": list(self.messages)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PromptRecord":
+        return cls(d["category"], d["source"], tuple(d["messages"]))
+
+
+def _user(text: str, system: str | None = None) -> tuple[dict, ...]:
+    return (({"role": "system", "content": system},) if system else ()) + ({"role": "user", "content": text},)
+
+
+# ----- math: reasoning-gym ----------------------------------------------------------------------------------------
+def math_prompts(n: int, seed: int) -> list[PromptRecord]:
+    import reasoning_gym
+
+    if seed < RG_MIN_SEED:
+        raise ValueError(f"reasoning-gym seeds below {RG_MIN_SEED} are the benchmark's; got {seed}")
+    per_task = -(-n // len(RG_TASKS))
+    out = []
+    for i, task in enumerate(RG_TASKS):
+        data = reasoning_gym.create_dataset(task, size=per_task, seed=seed + i)
+        for item in data:
+            text = item["question"] + "\nExplain your reasoning step by step, then give the final answer."
+            out.append(PromptRecord("math", f"reasoning-gym/{task}", _user(text)))
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+# ----- json: bfcl-eval function calling ---------------------------------------------------------------------------
+BFCL_SYSTEM = ("You are a function-calling assistant. Given the available functions (JSON schema) and the user's "
+               "request, answer only with a JSON list of calls: "
+               '[{"name": "<function>", "arguments": {"<param>": <value>, ...}}].')
+
+
+def bfcl_dir() -> Path:
+    spec = importlib.util.find_spec("bfcl_eval")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("bfcl-eval is not installed: pip install --no-deps bfcl-eval==2026.3.23")
+    return Path(spec.origin).parent / "data"
+
+
+def bfcl_prompt(record: dict) -> tuple[dict, ...]:
+    turns = record["question"][0]
+    question = "\n".join(t["content"] for t in turns if t.get("role") == "user")
+    functions = json.dumps(record["function"], ensure_ascii=False)
+    return _user(f"Available functions:\n{functions}\n\nRequest: {question}", BFCL_SYSTEM)
+
+
+def json_prompts(n: int, seed: int) -> list[PromptRecord]:
+    out = []
+    for subset in BFCL_TRAIN_SUBSETS:
+        assert subset not in BFCL_BENCHMARK_SUBSETS
+        path = bfcl_dir() / f"{subset}.json"
+        for line in path.read_text().splitlines():
+            if line.strip():
+                out.append(PromptRecord("json", f"bfcl-eval/{subset}", bfcl_prompt(json.loads(line))))
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+# ----- code and prose: the Python standard library ----------------------------------------------------------------
+def _stdlib_functions() -> list[tuple[str, str, str]]:
+    """(module, signature, docstring) of documented public top-level functions of the standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/[!_]*.py")):
+        if any(part in ("test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo") for part in path.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and 40 <= len(doc) <= 1200:
+                    sig = f"def {node.name}({ast.unparse(node.args)}):"
+                    out.append((module, sig, doc))
+    return out
+
+
+PROSE_TEMPLATES = (
+    "In Python's `{module}` module, the function `{name}` is documented as:\n\"{doc}\"\nExplain in plain English "
+    "what it does, when you would use it, and give a short example.",
+    "What is the purpose of `{module}.{name}` in Python? Its documentation says: \"{doc}\" Describe it for a "
+    "beginner.",
+    "Write a short paragraph explaining this Python standard library function to a colleague: `{module}.{name}` "
+    "- {doc}",
+)
+
+
+def code_and_prose_prompts(n_code: int, n_prose: int, seed: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    funcs = _stdlib_functions()
+    rng = random.Random(seed)
+    rng.shuffle(funcs)
+    code, prose = [], []
+    for i, (module, sig, doc) in enumerate(funcs):
+        if len(code) < n_code and i % 2 == 0:
+            body = doc.replace("\n", "\n    ")
+            text = (f"Implement this Python function (standard-library style, with the docstring):\n\n{sig}\n"
+                    f'    """{body}"""\n')
+            code.append(PromptRecord("code", f"stdlib-code/{module}", _user(text)))
+        elif len(prose) < n_prose:
+            name = sig[4:sig.index("(")]
+            first = doc.split("\n\n")[0].replace("\n", " ")
+            text = PROSE_TEMPLATES[i % len(PROSE_TEMPLATES)].format(module=module, name=name, doc=first)
+            prose.append(PromptRecord("prose", f"stdlib-doc/{module}", _user(text)))
+    return code, prose
+
+
+def build_prompts(per_category: int, seed: int) -> list[PromptRecord]:
+    """A shuffled mix with `per_category` prompts of each category (fewer where a source has fewer)."""
+    code, prose = code_and_prose_prompts(per_category, per_category, seed)
+    records = math_prompts(per_category, RG_MIN_SEED + seed) + json_prompts(per_category, seed) + code + prose
+    random.Random(seed).shuffle(records)
+    return records
