@@ -53,6 +53,30 @@ def test_sweep_points_skip_the_default_and_name_their_threshold():
     assert [p.spec.threshold for p in entropy] == [1.0, 3.0]
 
 
+def _run(prompt_id, mode, tokens, seconds, trace, catch_up=0.0):
+    phases = {"route": 0.0, "catch_up": catch_up, "draft": 0.0, "verify": seconds / 2 - catch_up, "commit": 0.0}
+    return {"prompt_id": prompt_id, "category": "code", "mode": mode, "stats": {
+        "new_tokens": tokens, "seconds": seconds, "prefill_seconds": seconds / 2, "trace": trace,
+        "switches": sum(a[0] != b[0] for a, b in zip(trace, trace[1:])), "catch_up_tokens": 0,
+        "phase_seconds": phases}}
+
+
+def test_summary_speedup_is_the_median_of_per_prompt_ratios_and_tau_is_per_round():
+    from whiflash_trt.bench.summary import summarize
+
+    records = [_run("a", "ar", 10, 1.0, [["none", 1]] * 10), _run("b", "ar", 10, 2.0, [["none", 1]] * 10),
+               _run("c", "ar", 10, 4.0, [["none", 1]] * 10),
+               _run("a", "dflash", 10, 0.5, [["dflash", 4], ["dflash", 6]], catch_up=0.05),     # 2x
+               _run("b", "dflash", 10, 0.5, [["dflash", 10]]),                                   # 4x
+               _run("c", "dflash", 10, 8.0, [["eagle3", 1]] * 5 + [["dflash", 5]])]             # 0.5x
+    cell = summarize(records)["code"]["dflash"]
+    assert cell["speedup"] == 2.0
+    assert cell["tau"] == pytest.approx(30 / 9, abs=1e-4)
+    assert cell["round_share"] == {"dflash": pytest.approx(4 / 9, abs=1e-4), "eagle3": pytest.approx(5 / 9, abs=1e-4)}
+    assert cell["switches_per_100_tokens"] == pytest.approx(100 / 30, abs=1e-3)
+    assert cell["switching_overhead"] == pytest.approx(0.05 / 4.5, abs=1e-4)
+
+
 # ----- lossless checker on synthetic records --------------------------------------------------------------------
 def _records(ar_tokens, mode_tokens, mode="eagle3"):
     return [{"prompt_id": "p", "category": "code", "mode": "ar", "token_ids": ar_tokens},
