@@ -242,3 +242,38 @@ def test_run_auto_mode_uses_what_the_engine_ships():
     assert resolve_auto("auto", "auto", {"dflash"}, False)[0] == "dflash"
     assert resolve_auto("auto", "auto", set(), False)[0] == "ar"
     assert resolve_auto("ar", "entropy", {"eagle3", "dflash"}, True) == ("ar", "entropy")
+
+
+def test_growing_a_data_folder_keeps_held_out_prompts_and_shards(tmp_path):
+    from whiflash_trt.train.data import read_manifest, read_prompts
+
+    target = make_tiny_target(tmp_path / "target")
+    data = tmp_path / "data"
+    args = ["data", "--target", str(target), "--output", str(data), "--num-val", "1", "--num-router", "1",
+            "--max-new-tokens", "4", "--lanes", "8", "--shard-size", "8", "--dtype", "fp32",
+            "--max-prompt-tokens", "400"]
+    assert train_main([*args, "--per-category", "3"]) == 0
+    before = {s: read_prompts(data / f"prompts.{s}.jsonl") for s in ("train", "val", "router")}
+    shards_before = read_manifest(data)["shards"]
+    assert train_main([*args, "--per-category", "6"]) == 0
+    after = {s: read_prompts(data / f"prompts.{s}.jsonl") for s in ("train", "val", "router")}
+    manifest = read_manifest(data)
+    assert after["val"] == before["val"] and after["router"] == before["router"]
+    assert after["train"][:len(before["train"])] == before["train"] and len(after["train"]) > len(before["train"])
+    held_out = {json.dumps(r.to_json()) for s in ("val", "router") for r in after[s]}
+    assert not any(json.dumps(r.to_json()) in held_out for r in after["train"])
+    assert manifest["shards"][:len(shards_before)] == shards_before
+    done = [i for shard in manifest["shards"] for i in shard["prompt_index"]]
+    assert len(done) == len(set(done)) and max(done) >= len(before["train"])   # new prompts decoded, none twice
+    assert manifest["options"]["per_category"] == 6 and manifest["growth"][0]["added_prompts"] > 0
+
+
+def test_lr_schedule_warms_up_then_decays_linearly():
+    from whiflash_trt.train.loop import LoopOptions, _lr
+
+    opts = LoopOptions(max_steps=100, lr=1.0, warmup_steps=10, decay_from=60, min_lr_ratio=0.1)
+    assert _lr(opts, 0) == pytest.approx(0.1) and _lr(opts, 9) == pytest.approx(1.0)
+    assert _lr(opts, 59) == pytest.approx(1.0) and _lr(opts, 80) == pytest.approx(0.55)
+    assert _lr(opts, 99) == pytest.approx(1.0 - 0.9 * 39 / 40)
+    with pytest.raises(ValueError, match="decay_from"):
+        LoopOptions(max_steps=10, decay_from=10)

@@ -54,6 +54,9 @@ def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, seqs: int) -> 
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--decay-from", type=int, default=None,
+                   help="from this step the lr falls linearly to --min-lr-ratio x lr at --steps (default: constant)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--seqs-per-step", type=int, default=seqs)
     p.add_argument("--save-every", type=float, default=300.0, help="seconds between checkpoints")
     p.add_argument("--max-seconds", type=float, help="stop (resumably) after this much training time")
@@ -64,6 +67,7 @@ def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, seqs: int) -> 
 def _loop_options(args):
     from whiflash_trt.train.loop import LoopOptions
     return LoopOptions(max_steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+                       decay_from=args.decay_from, min_lr_ratio=args.min_lr_ratio,
                        seqs_per_step=args.seqs_per_step, save_every_s=args.save_every, max_seconds=args.max_seconds,
                        seed=args.seed, show_progress=not args.no_progress)
 

@@ -113,6 +113,21 @@ def _write_shard(folder: Path, index: int, seqs: list[Finished]) -> dict:
             "prompt_index": [s.meta["index"] for s in seqs]}
 
 
+def _grow_prompts(root: Path, manifest: dict, per_category: int) -> None:
+    """Append to the train split the prompts a larger `per_category` adds; val and router prompts stay as they are
+    and are never added (every split is checked), so a grown folder keeps its held-out sets held out."""
+    splits = {s: read_prompts(root / f"prompts.{s}.jsonl") for s in SPLITS}
+    seen = {json.dumps(r.to_json()) for records in splits.values() for r in records}
+    added = [r for r in build_prompts(per_category, manifest["seed"]) if json.dumps(r.to_json()) not in seen]
+    write_jsonl(root / "prompts.train.jsonl", splits["train"] + added)
+    manifest["prompts"]["train"] = dict(Counter(f"{r.category}:{r.source.split('/')[0]}"
+                                                for r in splits["train"] + added))
+    manifest.setdefault("growth", []).append({"from_per_category": manifest["options"]["per_category"],
+                                              "to_per_category": per_category, "added_prompts": len(added)})
+    manifest["options"]["per_category"] = per_category
+    _write_manifest(root, manifest)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -134,6 +149,8 @@ def generate_data(opts: DataOptions) -> Path:
         manifest = read_manifest(out)
         if manifest["capture_layers"] != list(capture) or manifest["seed"] != opts.seed:
             raise ValueError(f"{out} holds data of other options (capture layers / seed): use a new folder")
+        if opts.split == "train" and opts.per_category > manifest["options"]["per_category"]:
+            _grow_prompts(root, manifest, opts.per_category)
     else:
         splits = split_prompts(build_prompts(opts.per_category, opts.seed), opts.num_val, opts.num_router)
         for name, records in splits.items():

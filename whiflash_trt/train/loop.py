@@ -1,7 +1,7 @@
 """The training loop both drafter trainers share: data order, optimizer, checkpoints, logs, progress bar.
 
 A trainer supplies the model and `loss_of(sequence, generator) -> (loss, num_positions, metrics)`; the loop does
-AdamW(0.9, 0.95) with warmup, gradient clipping, an optimizer step every `seqs_per_step` sequences, a checkpoint
+AdamW(0.9, 0.95) with warmup (and an optional linear decay to the last step), gradient clipping, an optimizer step every `seqs_per_step` sequences, a checkpoint
 every `save_every_s` seconds (and at the end), and stops after `max_steps` steps or `max_seconds` of training.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ class LoopOptions:
     max_steps: int
     lr: float = 6e-4
     warmup_steps: int = 20
+    decay_from: int | None = None   # from this step the lr falls linearly to min_lr_ratio * lr at max_steps
+    min_lr_ratio: float = 0.1
     seqs_per_step: int = 4
     grad_clip: float = 0.5
     weight_decay: float = 0.0
@@ -36,13 +38,23 @@ class LoopOptions:
         if self.max_steps <= 0 or self.seqs_per_step <= 0:
             raise ValueError(f"max_steps and seqs_per_step must be positive, got {self.max_steps}, "
                              f"{self.seqs_per_step}")
+        if self.decay_from is not None and not 0 <= self.decay_from < self.max_steps:
+            raise ValueError(f"decay_from must be in [0, max_steps), got {self.decay_from} (max_steps "
+                             f"{self.max_steps})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 LossFn = Callable[[object, torch.Generator], tuple[torch.Tensor, int, dict]]
 
 
 def _lr(opts: LoopOptions, step: int) -> float:
-    return opts.lr * min(1.0, (step + 1) / max(1, opts.warmup_steps))
+    """A pure function of the step, so a resumed run follows the same schedule."""
+    lr = opts.lr * min(1.0, (step + 1) / max(1, opts.warmup_steps))
+    if opts.decay_from is not None and step >= opts.decay_from:
+        done = (step - opts.decay_from) / (opts.max_steps - opts.decay_from)
+        lr *= 1.0 - (1.0 - opts.min_lr_ratio) * done
+    return lr
 
 
 def _snapshot(run_dir: Path, state: RunState) -> None:

@@ -3,12 +3,13 @@
 Every prompt is a PromptRecord: a category (code, json, math, prose), its source, and chat messages. Disjointness:
 - reasoning-gym: seeds >= 1000 only (the benchmark draws seeds < 1000);
 - bfcl-eval: every subset except BFCL_v4_simple_python and BFCL_v4_multiple (the benchmark's);
-- code: signatures + docstrings of Python standard-library functions (never HumanEval);
+- code: signatures + docstrings of Python standard-library functions and methods (never HumanEval);
 - prose: questions about standard-library modules and functions, from their docstrings.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import json
 import random
@@ -95,10 +96,21 @@ def json_prompts(n: int, seed: int) -> list[PromptRecord]:
 
 
 # ----- code and prose: the Python standard library ----------------------------------------------------------------
-def _stdlib_functions() -> list[tuple[str, str, str]]:
-    """(module, signature, docstring) of documented public top-level functions of the standard library."""
+def _documented(node) -> str | None:
+    """The docstring of a public function worth a prompt (40-1200 characters), else None."""
+    if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        return None
+    doc = ast.get_docstring(node)
+    return doc if doc and 40 <= len(doc) <= 1200 else None
+
+
+@functools.cache
+def _stdlib_documented() -> tuple[tuple[tuple[str, str, str, str], ...], tuple[tuple[str, str, str, str], ...]]:
+    """(functions, methods) of the standard library (tests and demos left out), each entry (kind, owner,
+    signature, docstring): documented public top-level functions (owner: the module) and documented public methods
+    of public classes (owner: module.Class). One parse of the library, cached."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
+    functions, methods = [], []
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/[!_]*.py")):
         if any(part in ("test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo") for part in path.parts):
             continue
@@ -108,12 +120,12 @@ def _stdlib_functions() -> list[tuple[str, str, str]]:
             continue
         module = ".".join(path.relative_to(root).with_suffix("").parts)
         for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-                doc = ast.get_docstring(node)
-                if doc and 40 <= len(doc) <= 1200:
-                    sig = f"def {node.name}({ast.unparse(node.args)}):"
-                    out.append((module, sig, doc))
-    return out
+            if doc := _documented(node):
+                functions.append(("function", module, f"def {node.name}({ast.unparse(node.args)}):", doc))
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                methods += [("method", f"{module}.{node.name}", f"def {m.name}({ast.unparse(m.args)}):", doc)
+                            for m in node.body if (doc := _documented(m))]
+    return tuple(functions), tuple(methods)
 
 
 PROSE_TEMPLATES = (
@@ -127,15 +139,19 @@ PROSE_TEMPLATES = (
 
 
 def code_and_prose_prompts(n_code: int, n_prose: int, seed: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    funcs = _stdlib_functions()
+    # Functions first, then methods, each shuffled on its own: a larger request keeps every prompt (and its
+    # code/prose role) of a smaller one, so a data folder can grow without moving a function across splits.
+    funcs, methods = map(list, _stdlib_documented())
     rng = random.Random(seed)
     rng.shuffle(funcs)
+    random.Random(seed + 1).shuffle(methods)
+    funcs += methods
     code, prose = [], []
-    for i, (module, sig, doc) in enumerate(funcs):
+    for i, (kind, module, sig, doc) in enumerate(funcs):
         if len(code) < n_code and i % 2 == 0:
             body = doc.replace("\n", "\n    ")
-            text = (f"Implement this Python function (standard-library style, with the docstring):\n\n{sig}\n"
-                    f'    """{body}"""\n')
+            what = "Python function" if kind == "function" else f"method of the Python class `{module}`"
+            text = f'Implement this {what} (standard-library style, with the docstring):\n\n{sig}\n    """{body}"""\n'
             code.append(PromptRecord("code", f"stdlib-code/{module}", _user(text)))
         elif len(prose) < n_prose:
             name = sig[4:sig.index("(")]
