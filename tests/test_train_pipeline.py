@@ -277,3 +277,32 @@ def test_lr_schedule_warms_up_then_decays_linearly():
     assert _lr(opts, 99) == pytest.approx(1.0 - 0.9 * 39 / 40)
     with pytest.raises(ValueError, match="decay_from"):
         LoopOptions(max_steps=10, decay_from=10)
+
+
+def test_sigterm_ends_a_training_run_with_a_checkpoint(workspace, tmp_path):
+    """A run told to stop finishes its step, saves, and a rerun continues from there."""
+    import os
+    import signal
+
+    from whiflash_trt.train.dflash_trainer import DFlashLoss
+    calls = {"n": 0}
+    original = DFlashLoss.__call__
+
+    def stop_during_third_sequence(self, seq, generator):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, seq, generator)
+
+    out = tmp_path / "df"
+    args = ["dflash", "--data", str(workspace / "data"), "--output", str(out), "--seqs-per-step", "2",
+            "--steps", "6", "--layers", "1", "--block-size", "4", "--no-progress"]
+    DFlashLoss.__call__ = stop_during_third_sequence
+    try:
+        assert train_main(args) == 0
+    finally:
+        DFlashLoss.__call__ = original
+    assert [r["step"] for r in read_log(out)] == [1, 2]          # the step in flight finished, then it stopped
+    assert torch.load(out / "state.pt", weights_only=False)["run"]["step"] == 2
+    assert train_main(args) == 0
+    assert [r["step"] for r in read_log(out)] == [1, 2, 3, 4, 5, 6]

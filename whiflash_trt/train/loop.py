@@ -3,10 +3,14 @@
 A trainer supplies the model and `loss_of(sequence, generator) -> (loss, num_positions, metrics)`; the loop does
 AdamW(0.9, 0.95) with warmup (and an optional linear decay to the last step), gradient clipping, an optimizer step every `seqs_per_step` sequences, a checkpoint
 every `save_every_s` seconds (and at the end), and stops after `max_steps` steps or `max_seconds` of training.
+SIGTERM or Ctrl-C ends the run after the step in flight, with a checkpoint, so nothing trained is lost.
 """
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -68,6 +72,25 @@ def _snapshot(run_dir: Path, state: RunState) -> None:
                                            f'"seconds": {state.seconds:.1f}}}\n')
 
 
+@contextmanager
+def _stop_requests():
+    """Turn SIGTERM / SIGINT into a flag the loop checks between steps (main thread only; elsewhere: no flag)."""
+    flag = {"stop": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        flag["stop"] = True
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
 def train_loop(run_dir: Path, model: torch.nn.Module, data_folder: Path, loss_of: LossFn, opts: LoopOptions,
                export: Callable[[], None], extra: dict) -> RunState:
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -87,49 +110,50 @@ def train_loop(run_dir: Path, model: torch.nn.Module, data_folder: Path, loss_of
                mininterval=5)
     last_save, session_start, session_tokens = time.perf_counter(), time.perf_counter(), 0
     model.train()
-    while state.step < opts.max_steps:
-        if opts.max_seconds is not None and state.seconds >= opts.max_seconds:
-            break
-        t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(opts, state.step)
-        optimizer.zero_grad(set_to_none=True)
-        total, positions, metrics_sum = 0.0, 0, {}
-        for _ in range(opts.seqs_per_step):
-            if state.cursor.position >= len(order):   # next epoch: pick up shards written since
-                data = TrainingData(data_folder)
-                state.cursor = DataCursor(state.cursor.epoch + 1, 0, len(data.manifest["shards"]))
-                order = epoch_order(len(data), opts.seed, state.cursor.epoch)
-            seq = data[order[state.cursor.position]]
-            state.cursor.position += 1
-            loss, n, metrics = loss_of(seq, generator)
-            if n == 0:
-                continue
-            (loss / opts.seqs_per_step).backward()
-            total += float(loss.detach())
-            positions += n
-            for k, v in metrics.items():
-                metrics_sum[k] = metrics_sum.get(k, 0.0) + v
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts.grad_clip))
-        optimizer.step()
-        dt = time.perf_counter() - t0
-        state.step += 1
-        state.tokens += positions
-        state.seconds += dt
-        session_tokens += positions
-        record = {"step": state.step, "loss": round(total / opts.seqs_per_step, 5), "positions": positions,
-                  "tokens": state.tokens, "seconds": round(state.seconds, 2), "grad_norm": round(grad_norm, 4),
-                  "lr": _lr(opts, state.step - 1), "epoch": state.cursor.epoch}
-        record.update({k: round(v / opts.seqs_per_step, 5) for k, v in metrics_sum.items()})
-        append_log(run_dir, record)
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}",
-                        tok_s=f"{session_tokens / (time.perf_counter() - session_start):.0f}")
-        if time.perf_counter() - last_save >= opts.save_every_s:
-            save_state(run_dir, model, optimizer, state, generator)
-            export()
-            _snapshot(run_dir, state)
-            last_save = time.perf_counter()
+    with _stop_requests() as stop:
+        while state.step < opts.max_steps and not stop["stop"]:
+            if opts.max_seconds is not None and state.seconds >= opts.max_seconds:
+                break
+            t0 = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(opts, state.step)
+            optimizer.zero_grad(set_to_none=True)
+            total, positions, metrics_sum = 0.0, 0, {}
+            for _ in range(opts.seqs_per_step):
+                if state.cursor.position >= len(order):   # next epoch: pick up shards written since
+                    data = TrainingData(data_folder)
+                    state.cursor = DataCursor(state.cursor.epoch + 1, 0, len(data.manifest["shards"]))
+                    order = epoch_order(len(data), opts.seed, state.cursor.epoch)
+                seq = data[order[state.cursor.position]]
+                state.cursor.position += 1
+                loss, n, metrics = loss_of(seq, generator)
+                if n == 0:
+                    continue
+                (loss / opts.seqs_per_step).backward()
+                total += float(loss.detach())
+                positions += n
+                for k, v in metrics.items():
+                    metrics_sum[k] = metrics_sum.get(k, 0.0) + v
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts.grad_clip))
+            optimizer.step()
+            dt = time.perf_counter() - t0
+            state.step += 1
+            state.tokens += positions
+            state.seconds += dt
+            session_tokens += positions
+            record = {"step": state.step, "loss": round(total / opts.seqs_per_step, 5), "positions": positions,
+                      "tokens": state.tokens, "seconds": round(state.seconds, 2), "grad_norm": round(grad_norm, 4),
+                      "lr": _lr(opts, state.step - 1), "epoch": state.cursor.epoch}
+            record.update({k: round(v / opts.seqs_per_step, 5) for k, v in metrics_sum.items()})
+            append_log(run_dir, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}",
+                            tok_s=f"{session_tokens / (time.perf_counter() - session_start):.0f}")
+            if time.perf_counter() - last_save >= opts.save_every_s:
+                save_state(run_dir, model, optimizer, state, generator)
+                export()
+                _snapshot(run_dir, state)
+                last_save = time.perf_counter()
     bar.close()
     save_state(run_dir, model, optimizer, state, generator)
     export()
