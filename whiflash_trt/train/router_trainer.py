@@ -57,25 +57,28 @@ def accepted_length(tree: DraftTree, continuation: list[int]) -> int:
 @torch.inference_mode()
 def measure_states(engine: Engine, data: TrainingData, spec: SpecConfig, max_states: int | None = None,
                    progress: bool = True) -> list[StateRecord]:
-    """Acceptance length of both drafters at every response position of every router sequence."""
+    """Acceptance length of both drafters at the response positions of every router sequence: all of them, or,
+    under `max_states`, every k-th position with k chosen so the states spread over all sequences."""
     e3, df = engine.proposers["eagle3"], engine.proposers["dflash"]
     horizon = max(df.block_size - 1, spec.tree_depth)
     records: list[StateRecord] = []
     head = engine.target.lm_head
-    bar = tqdm(total=max_states, desc="router states", disable=not progress, mininterval=10)
-    for k in range(len(data)):
+    spans = [(s.prompt_len, len(s.tokens) - 1 - horizon) for s in (data[k] for k in range(len(data)))]
+    total = sum(max(0, last - first) for first, last in spans)
+    stride = max(1, math.ceil(total / max_states)) if max_states else 1
+    bar = tqdm(total=min(total, max_states or total), desc="router states", disable=not progress, mininterval=10)
+    for k, (first, last) in enumerate(spans):
+        if last <= first:
+            continue
         s = data[k]
         tokens = s.tokens.tolist()
         t = len(tokens)
-        first, last = s.prompt_len, t - 1 - horizon
-        if last <= first:
-            continue
         seq = Sequence(tokens[:first], engine.allocator, engine.block_size)
         try:
             seq.reserve(t + spec.tree_total_tokens + spec.tree_depth * spec.tree_top_k)
             seq.commit(tokens[:first], tokens[first], s.features[:first].to(engine.target.embed_tokens.weight.dtype),
                        {"eagle3": 0, "dflash": 0})
-            for n in range(first, last):
+            for n in range(first, last, stride):
                 if n > seq.num_committed:
                     seq.commit(tokens[seq.num_committed:n], tokens[n],
                                s.features[seq.num_committed:n].to(engine.target.embed_tokens.weight.dtype),
