@@ -197,6 +197,16 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
     assert report["lossless"] is True
     assert "mix" in report["eagle3"] and len(report["eagle3"]) >= 3   # json prompts exceed the tiny context
     assert report["eagle3"]["mix"]["tau"] >= 1.0
+    assert report["tree"] == {"top_k": 4, "depth": 5, "total_tokens": 16}   # the runtime default
+    chain = workspace / "eval-chain.json"
+    assert train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
+                       "--per-category", "1", "--max-new-tokens", "16", "--tree", "1,3,4",
+                       "--output", str(chain)]) == 0
+    report = json.loads(chain.read_text())
+    assert report["tree"] == {"top_k": 1, "depth": 3, "total_tokens": 4} and report["lossless"] is True
+    with pytest.raises(SystemExit, match="TOP_K,DEPTH,TOTAL_TOKENS"):
+        train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
+                    "--tree", "4,5"])
 
 
 def test_bundled_drafters_are_used_by_default_and_versioned(tmp_path, monkeypatch):

@@ -165,6 +165,7 @@ def _eval(sub) -> None:
     p.add_argument("--per-category", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--modes", default=None, help="comma-separated: ar,eagle3,dflash,whiflash-entropy,whiflash-neural")
+    p.add_argument("--tree", default=None, help="EAGLE-3 tree as TOP_K,DEPTH,TOTAL_TOKENS (default: the runtime's)")
     p.add_argument("--output", type=Path, help="JSON report")
     _common(p)
 
@@ -181,7 +182,15 @@ def _run_eval(args) -> None:
     manifest = read_manifest(args.data)
     target, tokenizer = load_target(args.target or manifest["target"], manifest["dtype"])
     engine = make_engine(target, tokenizer, args.eagle3, args.dflash, args.router)
-    specs = default_specs(args.eagle3 is not None, args.dflash is not None, args.router is not None)
+    tree = None
+    if args.tree:
+        try:
+            tree = tuple(int(x) for x in args.tree.split(","))
+        except ValueError:
+            tree = ()
+        if len(tree) != 3:
+            raise SystemExit(f"--tree wants TOP_K,DEPTH,TOTAL_TOKENS (three integers), got {args.tree!r}")
+    specs = default_specs(args.eagle3 is not None, args.dflash is not None, args.router is not None, tree)
     if args.modes:
         specs = {k: v for k, v in specs.items() if k in args.modes.split(",")}
     from whiflash_trt.train.target import chat_ids
@@ -195,6 +204,10 @@ def _run_eval(args) -> None:
             prompts.append(r)
     report = evaluate(engine, prompts, specs, args.max_new_tokens, progress=lambda xs: tqdm(xs, desc="eval"))
     report["prompts"] = dict(seen)
+    e3_spec = specs.get("eagle3") or specs.get("whiflash-entropy")
+    if e3_spec is not None:
+        report["tree"] = {"top_k": e3_spec.tree_top_k, "depth": e3_spec.tree_depth,
+                          "total_tokens": e3_spec.tree_total_tokens}
     for folder in (args.eagle3, args.dflash):   # snapshots carry their training progress (learning curves)
         if folder is not None and (folder / "progress.json").is_file():
             report["progress"] = json.loads((folder / "progress.json").read_text())

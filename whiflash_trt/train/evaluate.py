@@ -76,16 +76,20 @@ def evaluate(engine: Engine, prompts: list[PromptRecord], specs: dict[str, SpecC
     return out
 
 
-def default_specs(has_eagle3: bool, has_dflash: bool, has_router: bool) -> dict[str, SpecConfig]:
+def default_specs(has_eagle3: bool, has_dflash: bool, has_router: bool,
+                  tree: tuple[int, int, int] | None = None) -> dict[str, SpecConfig]:
+    """One SpecConfig per mode the given parts allow; `tree` = (top_k, depth, total_tokens) of the EAGLE-3 tree
+    (default: the runtime's)."""
+    t = dict(zip(("tree_top_k", "tree_depth", "tree_total_tokens"), tree)) if tree else {}
     specs = {"ar": SpecConfig(mode="ar")}
     if has_eagle3:
-        specs["eagle3"] = SpecConfig(mode="eagle3")
+        specs["eagle3"] = SpecConfig(mode="eagle3", **t)
     if has_dflash:
         specs["dflash"] = SpecConfig(mode="dflash")
     if has_eagle3 and has_dflash:
-        specs["whiflash-entropy"] = SpecConfig(mode="whiflash", router="entropy")
+        specs["whiflash-entropy"] = SpecConfig(mode="whiflash", router="entropy", **t)
         if has_router:
-            specs["whiflash-neural"] = SpecConfig(mode="whiflash", router="neural")
+            specs["whiflash-neural"] = SpecConfig(mode="whiflash", router="neural", **t)
     return specs
 
 
