@@ -127,19 +127,40 @@ def _read_prompts(args) -> list[dict]:
 
 
 class _StreamPrinter:
-    """Prints text as tokens arrive, holding back an incomplete UTF-8 sequence."""
+    """Prints text as tokens arrive. Holds back an incomplete UTF-8 sequence and any tail that could be the start
+    of a stop string, so a stop string never reaches the screen; `finish` prints the rest of the final text."""
 
-    def __init__(self, decode) -> None:
-        self.decode, self.ids, self.printed = decode, [], 0
+    def __init__(self, decode, stop_strings: tuple[str, ...] = (), out=None) -> None:
+        self.decode, self.stops, self.out = decode, tuple(s for s in stop_strings if s), out or sys.stdout
+        self.ids, self.printed = [], 0
+
+    def _safe_length(self, text: str) -> int:
+        """Length of the prefix of `text` that no stop string can still claim."""
+        safe = len(text)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                safe = min(safe, at)
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):   # a tail that begins this stop string
+                if text.endswith(stop[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        return safe
 
     def __call__(self, new_ids: list[int]) -> None:
         self.ids += new_ids
         text = self.decode(self.ids)
         if text.endswith("\ufffd"):
             return
-        sys.stdout.write(text[self.printed:])
-        sys.stdout.flush()
-        self.printed = len(text)
+        safe = self._safe_length(text)
+        if safe > self.printed:
+            self.out.write(text[self.printed:safe])
+            self.out.flush()
+            self.printed = safe
+
+    def finish(self, final_text: str) -> None:
+        self.out.write(final_text[self.printed:] + "\n")
+        self.out.flush()
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -212,12 +233,12 @@ def _run(args) -> int:
                       tree_total_tokens=args.tree_total_tokens)
     for record in prompts:
         ids = engine.encode(record["prompt"], chat=args.chat, system=args.system)
-        printer = _StreamPrinter(engine.decode) if args.stream and not args.json else None
+        printer = _StreamPrinter(engine.decode, tuple(args.stop)) if args.stream and not args.json else None
         result = engine.generate(ids, gen, on_tokens=printer, spec=spec)
         if args.json:
             print(json.dumps(result.to_json()), flush=True)
         elif printer is not None:
-            print(flush=True)
+            printer.finish(result.text)
         else:
             print(result.text, flush=True)
     return 0
