@@ -67,9 +67,9 @@ def build_card(data: Path, eagle3_run: Path, dflash_run: Path, final: Path, benc
     evals = [r for r in (_json(final / "eval-static.json"), _json(final / "eval-router.json")) if r]
     router = _json(final / "router.json")
     parts = ["# Drafters and router for SmolLM2-135M-Instruct (whiflash-trt)\n",
-             "Trained on one shared, heavily loaded 2-core CPU within a single ~2.5 h session: these are small, "
-             "briefly trained drafters. Every number below was measured by the commands listed and copied from "
-             "their output files by `python -m whiflash_trt.train.model_card`.\n",
+             "Trained on a shared 2-core CPU, no GPU: small drafters, briefly trained (training time below). Every "
+             "number below was measured by the commands listed and copied from their output files by "
+             "`python -m whiflash_trt.train.model_card`.\n",
              "## Files\n",
              f"- `eagle3/`: EAGLE-3 (public format), hidden {e3_cfg['hidden_size']}, 1 midlayer, heads "
              f"{e3_cfg['num_attention_heads']}/{e3_cfg['num_key_value_heads']}, intermediate "
@@ -84,9 +84,13 @@ def build_card(data: Path, eagle3_run: Path, dflash_run: Path, final: Path, benc
              "## Data\n", _data_section(data),
              "## Training\n", _run_section("EAGLE-3", eagle3_run), "\n", _run_section("DFlash", dflash_run), "\n"]
     if evals:
+        tree = next((r["tree"] for r in evals if "tree" in r), {"top_k": 4, "depth": 5, "total_tokens": 16})
+        prompts = evals[0].get("prompts", {})
         parts += ["## Validation acceptance length (runtime, greedy, bf16, validation prompts)\n",
-                  "Mean tau per round (accepted drafts + 1), EAGLE-3 tree top_k 4 / depth 5 / 16 nodes, DFlash "
-                  "block as configured; `lossless` = every speculative output equal to the target-only output.\n",
+                  f"Mean tau per round (accepted drafts + 1) on {sum(prompts.values())} validation prompts "
+                  f"({json.dumps(prompts)}), EAGLE-3 tree top_k {tree['top_k']} / depth {tree['depth']} / "
+                  f"{tree['total_tokens']} nodes, DFlash block as configured; `lossless` = every speculative output "
+                  "equal to the target-only output.\n",
                   _tau_table(evals)]
         parts.append("lossless: " + ", ".join(str(r.get("lossless")) for r in evals) + "\n")
     if router:
