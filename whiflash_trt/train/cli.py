@@ -166,6 +166,8 @@ def _eval(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--modes", default=None, help="comma-separated: ar,eagle3,dflash,whiflash-entropy,whiflash-neural")
     p.add_argument("--tree", default=None, help="EAGLE-3 tree as TOP_K,DEPTH,TOTAL_TOKENS (default: the runtime's)")
+    p.add_argument("--neural-threshold", type=float, default=None,
+                   help="whiflash-neural threshold (default: the one calibrated in the router file)")
     p.add_argument("--output", type=Path, help="JSON report")
     _common(p)
 
@@ -190,7 +192,8 @@ def _run_eval(args) -> None:
             tree = ()
         if len(tree) != 3:
             raise SystemExit(f"--tree wants TOP_K,DEPTH,TOTAL_TOKENS (three integers), got {args.tree!r}")
-    specs = default_specs(args.eagle3 is not None, args.dflash is not None, args.router is not None, tree)
+    specs = default_specs(args.eagle3 is not None, args.dflash is not None, args.router is not None, tree,
+                          args.neural_threshold)
     if args.modes:
         specs = {k: v for k, v in specs.items() if k in args.modes.split(",")}
     from whiflash_trt.train.target import chat_ids
@@ -204,6 +207,8 @@ def _run_eval(args) -> None:
             prompts.append(r)
     report = evaluate(engine, prompts, specs, args.max_new_tokens, progress=lambda xs: tqdm(xs, desc="eval"))
     report["prompts"] = dict(seen)
+    if "whiflash-neural" in specs:
+        report["neural_threshold"] = args.neural_threshold if args.neural_threshold is not None else "router file"
     e3_spec = specs.get("eagle3") or specs.get("whiflash-entropy")
     if e3_spec is not None:
         report["tree"] = {"top_k": e3_spec.tree_top_k, "depth": e3_spec.tree_depth,

@@ -77,9 +77,10 @@ def evaluate(engine: Engine, prompts: list[PromptRecord], specs: dict[str, SpecC
 
 
 def default_specs(has_eagle3: bool, has_dflash: bool, has_router: bool,
-                  tree: tuple[int, int, int] | None = None) -> dict[str, SpecConfig]:
+                  tree: tuple[int, int, int] | None = None,
+                  neural_threshold: float | None = None) -> dict[str, SpecConfig]:
     """One SpecConfig per mode the given parts allow; `tree` = (top_k, depth, total_tokens) of the EAGLE-3 tree
-    (default: the runtime's)."""
+    (default: the runtime's); `neural_threshold` overrides the router file's calibrated one."""
     t = dict(zip(("tree_top_k", "tree_depth", "tree_total_tokens"), tree)) if tree else {}
     specs = {"ar": SpecConfig(mode="ar")}
     if has_eagle3:
@@ -89,7 +90,8 @@ def default_specs(has_eagle3: bool, has_dflash: bool, has_router: bool,
     if has_eagle3 and has_dflash:
         specs["whiflash-entropy"] = SpecConfig(mode="whiflash", router="entropy", **t)
         if has_router:
-            specs["whiflash-neural"] = SpecConfig(mode="whiflash", router="neural", **t)
+            specs["whiflash-neural"] = SpecConfig(mode="whiflash", router="neural", threshold=neural_threshold,
+                                                  **t)
     return specs
 
 
