@@ -188,6 +188,27 @@ def test_router_command_writes_a_router_the_engine_uses(workspace):
     assert engine.generate(ids, gen, spec=SpecConfig(mode="whiflash", router="neural")).token_ids == ar
 
 
+def test_router_states_under_a_budget_are_contiguous_windows_over_every_sequence(workspace):
+    from whiflash_trt.train.router_trainer import measure_states, simulate
+
+    engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
+                     dllm_drafter=workspace / "df" / "export")
+    data = TrainingData(workspace / "data" / "router")
+    spec = SpecConfig(mode="whiflash")
+    every = measure_states(engine, data, spec, progress=False)
+    seqs = sorted({r.seq for r in every})
+    budget = max(len(seqs), len(every) // 3)
+    some = measure_states(engine, data, spec, max_states=budget, progress=False)
+    assert len(some) <= budget + len(seqs) and {r.seq for r in some} == set(seqs)
+    for k in seqs:
+        positions = [r.position for r in some if r.seq == k]
+        assert positions == list(range(positions[0], positions[0] + len(positions)))
+    full = {(r.seq, r.position): (r.al_eagle3, r.al_dflash) for r in every}
+    assert all(full[(r.seq, r.position)] == (r.al_eagle3, r.al_dflash) for r in some)   # same states, same ALs
+    walked = simulate(some, lambda r: "eagle3", {"eagle3": 1.0, "dflash": 1.0})
+    assert walked["rounds"]["eagle3"] >= len(seqs)
+
+
 def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
     out = workspace / "eval.json"
     assert train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),

@@ -58,18 +58,22 @@ def accepted_length(tree: DraftTree, continuation: list[int]) -> int:
 def measure_states(engine: Engine, data: TrainingData, spec: SpecConfig, max_states: int | None = None,
                    progress: bool = True) -> list[StateRecord]:
     """Acceptance length of both drafters at the response positions of every router sequence: all of them, or,
-    under `max_states`, every k-th position with k chosen so the states spread over all sequences."""
+    under `max_states`, one contiguous window per sequence (at a seeded random offset) so the states spread over
+    every sequence and `simulate` can still walk each window position by position."""
     e3, df = engine.proposers["eagle3"], engine.proposers["dflash"]
     horizon = max(df.block_size - 1, spec.tree_depth)
     records: list[StateRecord] = []
     head = engine.target.lm_head
-    spans = [(s.prompt_len, len(s.tokens) - 1 - horizon) for s in (data[k] for k in range(len(data)))]
-    total = sum(max(0, last - first) for first, last in spans)
-    stride = max(1, math.ceil(total / max_states)) if max_states else 1
+    spans = {k: (s.prompt_len, len(s.tokens) - 1 - horizon) for k, s in ((k, data[k]) for k in range(len(data)))}
+    spans = {k: (first, last) for k, (first, last) in spans.items() if last > first}
+    total = sum(last - first for first, last in spans.values())
+    if max_states and total > max_states:
+        width, rng = math.ceil(max_states / len(spans)), random.Random(0)
+        for k, (first, last) in spans.items():
+            start = first + rng.randint(0, max(0, last - first - width))
+            spans[k] = (start, min(last, start + width))
     bar = tqdm(total=min(total, max_states or total), desc="router states", disable=not progress, mininterval=10)
-    for k, (first, last) in enumerate(spans):
-        if last <= first:
-            continue
+    for k, (first, last) in spans.items():
         s = data[k]
         tokens = s.tokens.tolist()
         t = len(tokens)
@@ -78,7 +82,7 @@ def measure_states(engine: Engine, data: TrainingData, spec: SpecConfig, max_sta
             seq.reserve(t + spec.tree_total_tokens + spec.tree_depth * spec.tree_top_k)
             seq.commit(tokens[:first], tokens[first], s.features[:first].to(engine.target.embed_tokens.weight.dtype),
                        {"eagle3": 0, "dflash": 0})
-            for n in range(first, last, stride):
+            for n in range(first, last):
                 if n > seq.num_committed:
                     seq.commit(tokens[seq.num_committed:n], tokens[n],
                                s.features[seq.num_committed:n].to(engine.target.embed_tokens.weight.dtype),
