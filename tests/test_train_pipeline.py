@@ -299,6 +299,15 @@ def test_growing_a_data_folder_keeps_held_out_prompts_and_shards(tmp_path):
     assert manifest["options"]["per_category"] == 6 and manifest["growth"][0]["added_prompts"] > 0
 
 
+def test_a_larger_stdlib_request_keeps_every_prompt_and_its_role():
+    from whiflash_trt.train.sources import code_and_prose_prompts
+
+    code, prose = code_and_prose_prompts(5, 5, 0)
+    more_code, more_prose = code_and_prose_prompts(600, 600, 0)
+    assert more_code[:5] == code and more_prose[:5] == prose
+    assert len(more_code) == 600 and any("method of the Python class" in r.messages[-1]["content"] for r in more_code)
+
+
 def test_lr_schedule_warms_up_then_decays_linearly():
     from whiflash_trt.train.loop import LoopOptions, _lr
 

@@ -1,8 +1,9 @@
 """The training loop both drafter trainers share: data order, optimizer, checkpoints, logs, progress bar.
 
 A trainer supplies the model and `loss_of(sequence, generator) -> (loss, num_positions, metrics)`; the loop does
-AdamW(0.9, 0.95) with warmup (and an optional linear decay to the last step), gradient clipping, an optimizer step every `seqs_per_step` sequences, a checkpoint
-every `save_every_s` seconds (and at the end), and stops after `max_steps` steps or `max_seconds` of training.
+AdamW(0.9, 0.95) with warmup (and an optional linear decay to the last step), gradient clipping, an optimizer step
+every `seqs_per_step` sequences, a checkpoint every `save_every_s` seconds (and at the end), and stops after
+`max_steps` steps or `max_seconds` of training.
 SIGTERM or Ctrl-C ends the run after the step in flight, with a checkpoint, so nothing trained is lost.
 """
 from __future__ import annotations

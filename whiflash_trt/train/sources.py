@@ -139,8 +139,9 @@ PROSE_TEMPLATES = (
 
 
 def code_and_prose_prompts(n_code: int, n_prose: int, seed: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    # Functions first, then methods, each shuffled on its own: a larger request keeps every prompt (and its
-    # code/prose role) of a smaller one, so a data folder can grow without moving a function across splits.
+    # Functions first, then methods, each shuffled on its own, and the role fixed by position (even: code, odd:
+    # prose): a larger request keeps every prompt, and its role, of a smaller one, so a data folder can grow
+    # without a function moving from a held-out prompt of one kind to a training prompt of the other.
     funcs, methods = map(list, _stdlib_documented())
     rng = random.Random(seed)
     rng.shuffle(funcs)
@@ -148,12 +149,12 @@ def code_and_prose_prompts(n_code: int, n_prose: int, seed: int) -> tuple[list[P
     funcs += methods
     code, prose = [], []
     for i, (kind, module, sig, doc) in enumerate(funcs):
-        if len(code) < n_code and i % 2 == 0:
+        if i % 2 == 0 and len(code) < n_code:
             body = doc.replace("\n", "\n    ")
             what = "Python function" if kind == "function" else f"method of the Python class `{module}`"
             text = f'Implement this {what} (standard-library style, with the docstring):\n\n{sig}\n    """{body}"""\n'
             code.append(PromptRecord("code", f"stdlib-code/{module}", _user(text)))
-        elif len(prose) < n_prose:
+        elif i % 2 == 1 and len(prose) < n_prose:
             name = sig[4:sig.index("(")]
             first = doc.split("\n\n")[0].replace("\n", " ")
             text = PROSE_TEMPLATES[i % len(PROSE_TEMPLATES)].format(module=module, name=name, doc=first)
