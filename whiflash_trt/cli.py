@@ -10,6 +10,7 @@ from whiflash_trt.config import (BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig
                                  SpecConfig)
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.prompt_lines import parse_prompt_lines
 
 
 
@@ -110,20 +111,7 @@ def _read_prompts(args) -> list[dict]:
         lines = Path(args.prompts_file).read_text().splitlines()
     except OSError as e:
         raise WhiflashError(f"cannot read the prompts file {args.prompts_file}: {e.strerror or e}") from None
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise WhiflashError(f"{args.prompts_file}:{n}: not valid JSON ({e})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise WhiflashError(f'{args.prompts_file}:{n}: expected an object with a string "prompt"')
-        prompts.append(record)
-    if not prompts:
-        raise WhiflashError(f"{args.prompts_file} holds no prompts")
-    return prompts
+    return [record for _, record in parse_prompt_lines(lines, str(args.prompts_file))]
 
 
 class _StreamPrinter:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.prompt_lines import parse_prompt_lines
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SOURCE_CATEGORIES = ("code", "math", "json", "chat")
@@ -31,22 +32,10 @@ class BenchPrompt:
 
 def read_jsonl(path: Path, default_category: str | None = None) -> list[BenchPrompt]:
     """One JSON object per line: "prompt" (required), "id", "category", "source" (optional)."""
-    prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise WhiflashError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-            raise WhiflashError(f'{path}:{n}: expected an object with a non-empty string "prompt"')
-        category = str(record.get("category") or default_category or "custom")
-        prompts.append(BenchPrompt(id=str(record.get("id", f"{Path(path).stem}/{n}")), category=category,
-                                   source=str(record.get("source", Path(path).name)), prompt=record["prompt"]))
-    if not prompts:
-        raise WhiflashError(f"{path} holds no prompts")
-    return prompts
+    return [BenchPrompt(id=str(record.get("id", f"{Path(path).stem}/{n}")),
+                        category=str(record.get("category") or default_category or "custom"),
+                        source=str(record.get("source", Path(path).name)), prompt=record["prompt"])
+            for n, record in parse_prompt_lines(Path(path).read_text().splitlines(), str(path), non_empty=True)]
 
 
 def builtin_set(category: str) -> list[BenchPrompt]:
