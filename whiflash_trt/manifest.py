@@ -3,7 +3,8 @@
     ENGINE/manifest.json      format version, architecture, dtype, captured layers, KV layout, sources, options
     ENGINE/target.safetensors the target's weights (our module names) in the engine dtype
     ENGINE/tokenizer/         tokenizer.json + tokenizer_config.json (chat template)
-    ENGINE/<drafters, router> added by the speculative issue, listed under "components"
+    ENGINE/eagle3/, dflash/   drafter checkpoints (public formats), listed under "components"
+    ENGINE/router.safetensors neural router weights, listed under "components"
     ENGINE/onnx/*.onnx        --backend onnx|tensorrt: exported graphs, listed with their signatures under "onnx"
     ENGINE/tensorrt/*.plan    --backend tensorrt: serialized TensorRT engines, listed under "tensorrt"
 """
@@ -24,6 +25,10 @@ TARGET_WEIGHTS = "target.safetensors"
 TOKENIZER_DIR = "tokenizer"
 ONNX_DIR = "onnx"
 TENSORRT_DIR = "tensorrt"
+ROUTER_WEIGHTS = "router.safetensors"
+# Every name the builder writes at the top of an engine directory (nothing else may be replaced by a rebuild).
+ENGINE_ENTRIES = frozenset({MANIFEST, TARGET_WEIGHTS, TOKENIZER_DIR, "eagle3", "dflash", ROUTER_WEIGHTS, ONNX_DIR,
+                            TENSORRT_DIR})
 
 
 @dataclass(frozen=True)

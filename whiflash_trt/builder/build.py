@@ -14,8 +14,10 @@ from whiflash_trt import __version__
 from whiflash_trt.builder.sources import load_checkpoint, load_tokenizer, resolve_target
 from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines
 from whiflash_trt.plugins.tensorrt_plugin import import_tensorrt
+from whiflash_trt.errors import WhiflashError
 from whiflash_trt.config import BACKENDS, CacheConfig, dtype_name, parse_dtype
-from whiflash_trt.manifest import ONNX_DIR, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256
+from whiflash_trt.builder.output_dir import check_output, install, staging_dir
+from whiflash_trt.manifest import ONNX_DIR, ROUTER_WEIGHTS, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.runtime.kv_cache import KVLayout
@@ -34,6 +36,7 @@ class BuildOptions:
     router: Path | None = None         # neural router weights (safetensors)
     backend: str = "torch"             # torch | onnx (graphs for onnxruntime) | tensorrt (graphs + TensorRT engines)
     bundled: bool = True               # named target: use the drafters/router the package ships for it
+    overwrite: bool = False            # replace an existing engine at `output` (never anything else)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -67,8 +70,8 @@ def add_components(opts: BuildOptions, cfg, dtype: torch.dtype, engine_dir: Path
         router = Path(opts.router)
         file = router / "router.safetensors" if router.is_dir() else router
         loaded = load_router(file, cfg.hidden_size)
-        shutil.copyfile(file, engine_dir / "router.safetensors")
-        components["router"] = {"path": "router.safetensors", "source": str(file.resolve()),
+        shutil.copyfile(file, engine_dir / ROUTER_WEIGHTS)
+        components["router"] = {"path": ROUTER_WEIGHTS, "source": str(file.resolve()),
                                 "sha256": file_sha256([file]), "threshold": loaded.threshold,
                                 "entropy_threshold": loaded.entropy_threshold}
     return components, layouts
@@ -113,10 +116,20 @@ def with_bundled(opts: BuildOptions) -> BuildOptions:
                    router=opts.router or bundle.router)
 
 
+def _check_inputs(opts: BuildOptions) -> None:
+    """Every path the build reads exists: fail in a second, not after dequantising the target."""
+    for flag, path in (("--ar-drafter", opts.ar_drafter), ("--dllm-drafter", opts.dllm_drafter),
+                       ("--router", opts.router)):
+        if path is not None and not Path(path).exists():
+            raise WhiflashError(f"{flag} {path} does not exist")
+
+
 def build_engine(opts: BuildOptions) -> Path:
-    """Write the engine into a temporary sibling folder and rename it at the end: never a half-built engine."""
+    """Write the engine into a temporary sibling folder and move it in at the end: never a half-built engine, and
+    never a file the builder did not write deleted (see builder.output_dir)."""
+    out = check_output(opts.output, opts.overwrite)
     opts = with_bundled(opts)
-    out = Path(opts.output)
+    _check_inputs(opts)
     if opts.backend == "tensorrt":
         import_tensorrt()   # fail at once, before any work, where TensorRT is not installed
     source = resolve_target(opts.target)
@@ -127,9 +140,7 @@ def build_engine(opts: BuildOptions) -> Path:
     dtype = parse_dtype(opts.dtype)
     tokenizer = load_tokenizer(source)
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     try:
         tensors = {k: v.to(dtype).contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / TARGET_WEIGHTS))
@@ -160,9 +171,7 @@ def build_engine(opts: BuildOptions) -> Path:
                            "whiflash_trt_version": __version__, "torch_version": torch.__version__,
                            "build_seconds": round(time.perf_counter() - start, 2)},
         ).write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,0 +1,124 @@
+"""`whiflash-build --output`: the builder never deletes what it did not write, checks --output before any heavy
+work, and leaves an engine whose files have the modes any new file gets."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from whiflash_trt.builder.build import BuildOptions, build_engine
+from whiflash_trt.cli import build_main
+from whiflash_trt.errors import WhiflashError
+from whiflash_trt.runtime.engine import Engine
+
+WHIFLASH_BUILD = str(Path(sys.executable).parent / "whiflash-build")
+
+
+def one_line_error(capsys, argv: list) -> str:
+    capsys.readouterr()
+    rc = build_main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_a_non_empty_directory_that_is_not_an_engine_is_refused_and_kept(capsys, tmp_path, tiny_checkpoint):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    for extra in ([], ["--overwrite"]):
+        err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", out, *extra])
+        assert "not empty and is not a whiflash engine" in err and "notes.txt" in err
+    assert (out / "notes.txt").read_text() == "my notes" and sorted(os.listdir(out)) == ["notes.txt"]
+    assert not list(tmp_path.glob(".mine.*")), "no staging folder may be left behind"
+
+
+def test_output_dot_in_a_working_folder_is_refused(tmp_path, tiny_checkpoint):
+    (tmp_path / "work.py").write_text("print('mine')")
+    proc = subprocess.run([WHIFLASH_BUILD, "--target", str(tiny_checkpoint()), "--output", "."], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "not empty and is not a whiflash engine" in proc.stderr and "work.py" in proc.stderr
+    assert os.listdir(tmp_path) == ["work.py"]
+
+
+def test_output_naming_a_file_fails_at_once_before_loading_the_target(tmp_path):
+    file = tmp_path / "engine.bin"
+    file.write_text("x")
+    start = time.perf_counter()
+    proc = subprocess.run([WHIFLASH_BUILD, "--target", "smollm2-135m", "--output", str(file)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: --output {file} is an existing file, not a directory; name a new or " \
+                                  f"empty directory"
+    assert "dequantising" not in proc.stderr and time.perf_counter() - start < 30
+    assert file.read_text() == "x"
+
+
+def test_missing_drafter_path_fails_before_loading_the_target(capsys, tmp_path, tiny_checkpoint):
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", tmp_path / "e",
+                                  "--ar-drafter", tmp_path / "nowhere"])
+    assert f"--ar-drafter {tmp_path / 'nowhere'} does not exist" in err
+    assert not (tmp_path / "e").exists()
+
+
+def test_an_engine_is_replaced_only_with_overwrite(capsys, tmp_path, tiny_checkpoint):
+    out = tmp_path / "engine"
+    argv = ["--target", tiny_checkpoint(), "--output", out, "--dtype", "fp32"]
+    assert build_main([str(a) for a in argv]) == 0
+    first = (out / "manifest.json").stat().st_mtime_ns
+    err = one_line_error(capsys, argv)
+    assert "already holds a whiflash engine; pass --overwrite" in err
+    assert (out / "manifest.json").stat().st_mtime_ns == first
+    assert build_main([str(a) for a in argv + ["--overwrite"]]) == 0
+    assert (out / "manifest.json").stat().st_mtime_ns != first
+    Engine.load(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"], "no staging or old folder may be left behind"
+
+
+def test_an_engine_holding_foreign_files_is_never_replaced(capsys, tmp_path, tiny_checkpoint):
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(target=str(tiny_checkpoint()), output=out, dtype="fp32", show_progress=False))
+    (out / "results.csv").write_text("1,2,3")
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", out, "--overwrite"])
+    assert "files the builder did not write (results.csv)" in err
+    assert (out / "results.csv").read_text() == "1,2,3"
+
+
+def test_an_empty_existing_directory_is_built_into(tmp_path, tiny_checkpoint):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert build_engine(BuildOptions(target=str(tiny_checkpoint()), output=out, dtype="fp32",
+                                     show_progress=False)) == out.resolve()
+    Engine.load(out)
+
+
+def test_a_failed_build_leaves_the_old_engine_and_no_staging_folder(tmp_path, tiny_checkpoint):
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(target=str(tiny_checkpoint()), output=out, dtype="fp32", show_progress=False))
+    before = sorted(p.name for p in out.iterdir())
+    bad_router = tmp_path / "router.safetensors"
+    bad_router.write_bytes(b"not a safetensors file")
+    with pytest.raises(WhiflashError):
+        build_engine(BuildOptions(target=str(tiny_checkpoint()), output=out, dtype="fp32", show_progress=False,
+                                  router=bad_router, overwrite=True))
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine", "router.safetensors"]
+
+
+def test_engine_files_get_the_modes_of_any_new_file(tmp_path, tiny_checkpoint):
+    out = build_engine(BuildOptions(target=str(tiny_checkpoint()), output=tmp_path / "engine", dtype="fp32",
+                                    show_progress=False))
+    reference = tmp_path / "reference"
+    reference.write_text("")
+    file_mode = reference.stat().st_mode & 0o777
+    (tmp_path / "reference-dir").mkdir()
+    dir_mode = (tmp_path / "reference-dir").stat().st_mode & 0o777
+    assert (out.stat().st_mode & 0o777) == dir_mode
+    for path in out.rglob("*"):
+        assert path.stat().st_mode & 0o777 == (dir_mode if path.is_dir() else file_mode), path
