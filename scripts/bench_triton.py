@@ -110,7 +110,7 @@ class TritonServer:
         bin_dir = Path(sys.prefix) / "bin"
         repo = workdir / f"repo-{instances}"
         subprocess.run([str(bin_dir / "whiflash-build"), "--engine", str(engine_dir), "--triton-repo", str(repo),
-                        "--triton-instances", str(instances), "--triton-torch-threads", str(torch_threads)],
+                        "--triton-instances", str(instances), "--triton-threads", str(torch_threads)],
                        check=True, capture_output=True)
         self.http_port, self.grpc_port = _free_port(), _free_port()
         self.log = open(workdir / f"server-{instances}.log", "wb")

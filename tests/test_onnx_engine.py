@@ -17,7 +17,7 @@ from whiflash_trt.runtime.engine import Engine  # noqa: E402
 
 # The tiny random target is near-uniform (entropy ~5.6906 nats) and the random router (seed 3) predicts around 0:
 # these thresholds make whiflash switch between the drafters within one request (the test checks that it does).
-SPECS = [SpecConfig(), SpecConfig(mode="eagle3"),
+SPECS = [SpecConfig("ar"), SpecConfig(mode="eagle3"),
          SpecConfig(mode="eagle3", tree_top_k=1, tree_depth=4, tree_total_tokens=5), SpecConfig(mode="dflash"),
          SpecConfig(mode="whiflash", router="entropy", threshold=5.6906),
          SpecConfig(mode="whiflash", router="entropy", threshold=5.6906, catch_up="eager"),
@@ -41,7 +41,7 @@ def test_onnx_engine_greedy_tokens_equal_torch_engine(engines, spec):
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     used = {}
     for prompt in prompts(2):
-        ref = torch_engine.generate(prompt, gen)                       # target only, torch
+        ref = torch_engine.generate(prompt, gen, spec=SpecConfig("ar"))   # target only, torch
         out = onnx_engine.generate(prompt, gen, spec=spec)
         assert out.token_ids == ref.token_ids
         assert torch_engine.generate(prompt, gen, spec=spec).token_ids == ref.token_ids

@@ -265,16 +265,6 @@ def test_generator_drain_keeps_in_flight_sequences_consistent(workspace):
     assert gen.active == [] and sorted(gen.free) == [0, 1]
 
 
-def test_run_auto_mode_uses_what_the_engine_ships():
-    from whiflash_trt.cli import resolve_auto
-
-    assert resolve_auto("auto", "auto", {"eagle3", "dflash"}, True) == ("whiflash", "neural")
-    assert resolve_auto("auto", "auto", {"eagle3", "dflash"}, False) == ("whiflash", "entropy")
-    assert resolve_auto("auto", "auto", {"dflash"}, False)[0] == "dflash"
-    assert resolve_auto("auto", "auto", set(), False)[0] == "ar"
-    assert resolve_auto("ar", "entropy", {"eagle3", "dflash"}, True) == ("ar", "entropy")
-
-
 def test_growing_a_data_folder_keeps_held_out_prompts_and_shards(tmp_path):
     from whiflash_trt.train.data import read_manifest, read_prompts
 

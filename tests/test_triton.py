@@ -52,7 +52,8 @@ PROMPTS = [
 
 # ----- a tiny engine ---------------------------------------------------------------------------------------------
 def make_tiny_engine(tmp: Path) -> Path:
-    """A random 6-layer Llama (hidden 64) with random EAGLE-3 and DFlash drafters, built by the real builder."""
+    """A random 6-layer Llama (hidden 64) with random EAGLE-3 and DFlash drafters and neural router weights, built by
+    the real builder."""
     import torch
 
     from spec_fixtures import make_dflash, make_eagle3
@@ -60,21 +61,25 @@ def make_tiny_engine(tmp: Path) -> Path:
     from whiflash_trt.builder.build import BuildOptions, build_engine
     from whiflash_trt.config import ModelConfig
     from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
+    from whiflash_trt.spec.router import RouterMLP, save_router
 
     ckpt = make_tiny_checkpoint(tmp / "ckpt", num_hidden_layers=6)
     cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
     save_eagle3(make_eagle3(cfg), tmp / "eagle3", dtype=torch.float32)
     save_dflash(make_dflash(cfg), tmp / "dflash", cfg.num_layers, dtype=torch.float32)
+    torch.manual_seed(3)
+    save_router(RouterMLP(cfg.hidden_size, 16), tmp / "router.safetensors", threshold=0.0, entropy_threshold=3.0)
     return build_engine(BuildOptions(target=str(ckpt), output=tmp / "engine", dtype="fp32", show_progress=False,
-                                     ar_drafter=tmp / "eagle3", dllm_drafter=tmp / "dflash"))
+                                     ar_drafter=tmp / "eagle3", dllm_drafter=tmp / "dflash",
+                                     router=tmp / "router.safetensors"))
 
 
-def whiflash_run(engine: Path, tmp: Path) -> list[dict]:
-    """`whiflash-run --mode ar --json` (the venv's, i.e. this checkout's) on every prompt, greedy target-only."""
+def whiflash_run(engine: Path, tmp: Path, *options: str) -> list[dict]:
+    """`whiflash-run --json OPTIONS` (the venv's, i.e. this checkout's) on every prompt, greedy."""
     prompts_file = tmp / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = subprocess.run([str(VENV / "bin" / "whiflash-run"), "--engine", str(engine), "--prompts-file",
-                          str(prompts_file), "--max-new-tokens", str(MAX_TOKENS), "--mode", "ar", "--json"],
+                          str(prompts_file), "--max-new-tokens", str(MAX_TOKENS), "--json", *options],
                          capture_output=True, text=True, timeout=300, check=True)
     return [json.loads(line) for line in out.stdout.splitlines()]
 
@@ -90,7 +95,9 @@ def free_port() -> int:
 class Server:
     http_port: int
     grpc_port: int
-    expected: list[dict]   # whiflash-run's JSON for each prompt
+    expected: list[dict]   # whiflash-run --mode ar's JSON for each prompt (target-only)
+    default: list[dict]    # whiflash-run's JSON for each prompt with no mode given (the engine's default)
+    whiflash: list[dict]   # whiflash-run --mode whiflash's (router: the engine's default)
 
     @property
     def grpc_url(self) -> str:
@@ -146,8 +153,8 @@ def server(tmp_path_factory):
     repo = tmp / "repo"
     subprocess.run([str(VENV / "bin" / "whiflash-build"), "--engine", str(engine), "--triton-repo", str(repo),
                     "--triton-instances", "2"], check=True, timeout=120, capture_output=True)
-    expected = whiflash_run(engine, tmp)
-    srv = Server(free_port(), free_port(), expected)
+    srv = Server(free_port(), free_port(), whiflash_run(engine, tmp, "--mode", "ar"), whiflash_run(engine, tmp),
+                 whiflash_run(engine, tmp, "--mode", "whiflash"))
     log = tmp / "tritonserver.log"
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(
@@ -243,6 +250,19 @@ def test_speculative_modes_through_triton_return_the_target_only_text(server, mo
     assert reply.last["num_new_tokens"] == len(want["token_ids"])
     assert 0 < reply.last["num_rounds"] <= len(want["token_ids"])
     assert reply.last["acceptance_length"] >= 1.0
+
+
+@pytest.mark.parametrize("mode", [None, "auto", "whiflash"])
+def test_a_request_without_mode_gets_the_engine_default_as_whiflash_run_does(server, mode):
+    want = (server.whiflash if mode == "whiflash" else server.default)[4]
+    assert (want["stats"]["mode"], want["stats"]["router"]) == ("whiflash", "neural")
+    extra = {} if mode is None else {"mode": _array(mode.encode(), np.object_)}
+    reply = grpc_generate(server.grpc_url, make_inputs(PROMPTS[4], extra=extra))
+    assert reply.error is None
+    assert reply.text == want["text"]
+    assert reply.last["num_new_tokens"] == len(want["token_ids"])
+    assert reply.last["num_rounds"] == want["stats"]["rounds"]   # the same rounds: the same drafters were chosen
+    assert reply.last["acceptance_length"] == pytest.approx(want["stats"]["tau"])
 
 
 def test_streaming_request_concatenates_to_whiflash_run_text(server):

@@ -46,13 +46,13 @@ def test_repository_has_the_tensorrt_llm_layout(engine_dir, tmp_path):
 
 def test_model_and_ensemble_configs_parse_and_agree(engine_dir, tmp_path):
     repo = write_triton_repo(TritonRepoOptions(engine_dir=engine_dir, output=tmp_path / "repo", instance_count=2,
-                                               torch_threads=1))
+                                               threads=1))
     model = parse_config(repo / MODEL_NAME / "config.pbtxt")
     ensemble = parse_config(repo / ENSEMBLE_NAME / "config.pbtxt")
     assert model.model_transaction_policy.decoupled
     assert model.instance_group[0].count == 2
     assert model.parameters["engine_dir"].string_value == str(engine_dir.resolve())
-    assert model.parameters["torch_threads"].string_value == "1"
+    assert model.parameters["threads"].string_value == "1"
     required = {i.name for i in model.input if not i.optional}
     assert required == {"text_input", "max_tokens"}
     assert {i.name: i.data_type for i in ensemble.input} == {i.name: i.data_type for i in model.input}
@@ -79,7 +79,7 @@ def test_repository_for_a_missing_engine_is_refused(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"instance_count": 0}, "instance count"), ({"kv_budget_mb": 0}, "KV memory budget"), ({"device": ""}, "device"),
-    ({"torch_threads": -1}, "torch threads")])
+    ({"threads": -1}, "threads must be >= 0")])
 def test_bad_repository_options_are_named(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         TritonRepoOptions(engine_dir=tmp_path, output=tmp_path / "repo", **kwargs)

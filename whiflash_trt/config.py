@@ -189,6 +189,7 @@ class GenerationConfig:
             raise ValueError("stop strings must be non-empty")
 
 
+AUTO = "auto"   # a mode or router resolved by the engine to what it holds (runtime.policy)
 MODES = ("ar", "eagle3", "dflash", "whiflash")
 BACKENDS = ("torch", "onnx", "tensorrt")
 ROUTERS = ("entropy", "neural")
@@ -197,10 +198,10 @@ CATCH_UP = ("lazy", "eager")
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Which drafter(s) run and how. threshold None = the router's own default (from its weights file or the
-    built-in entropy default)."""
-    mode: str = "ar"
-    router: str = "entropy"
+    """Which drafter(s) run and how. mode and router "auto" = the engine's default (runtime.policy); threshold None =
+    the router's own default (from its weights file or the built-in entropy default)."""
+    mode: str = AUTO
+    router: str = AUTO
     threshold: float | None = None
     catch_up: str = "lazy"
     tree_top_k: int = 4           # EAGLE-3 dynamic tree: children per expanded node (1 = a chain)
@@ -208,10 +209,10 @@ class SpecConfig:
     tree_total_tokens: int = 16   # nodes verified per round, root (bonus) included
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}; expected one of {', '.join(ROUTERS)}")
+        if self.mode not in (AUTO, *MODES):
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join((AUTO, *MODES))}")
+        if self.router not in (AUTO, *ROUTERS):
+            raise ValueError(f"unknown router {self.router!r}; expected one of {', '.join((AUTO, *ROUTERS))}")
         if self.catch_up not in CATCH_UP:
             raise ValueError(f"unknown catch-up {self.catch_up!r}; expected one of {', '.join(CATCH_UP)}")
         if self.threshold is not None and not math.isfinite(self.threshold):

@@ -8,10 +8,10 @@ serving. Requests run one at a time per instance; the instance count (a build op
 import json
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 from whiflash_trt.config import GenerationConfig, SamplingConfig, SpecConfig
+from whiflash_trt.runtime.device import default_threads, set_threads
 from whiflash_trt.runtime.engine import Engine
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -95,8 +95,9 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("the whiflash model must be decoupled (streaming)")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        if int(params.get("torch_threads", "0")) > 0:  # several instances on one CPU share its cores
-            torch.set_num_threads(int(params["torch_threads"]))
+        # Several instances on one CPU share its cores: by default each gets its share of half of them.
+        instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", [{}]))
+        set_threads(int(params.get("threads", "0")) or max(1, default_threads() // instances))
         self.engine = Engine.load(params["engine_dir"], device=params.get("device", "cpu"),
                                   kv_budget_bytes=int(params.get("kv_budget_mb", "256")) * 2**20)
 

@@ -63,15 +63,16 @@ class TritonRepoOptions:
     instance_count: int = 1
     device: str = "cpu"
     kv_budget_mb: int = 256
-    torch_threads: int = 0        # intra-op threads of each instance; 0 = torch's default (all cores)
+    threads: int = 0              # torch threads of each instance; 0 = half the server's cores split over instances
 
     def __post_init__(self) -> None:
         if self.instance_count < 1:
             raise ValueError(f"triton instance count must be >= 1, got {self.instance_count}")
         if self.kv_budget_mb <= 0:
             raise ValueError(f"KV memory budget must be positive, got {self.kv_budget_mb} MB")
-        if self.torch_threads < 0:
-            raise ValueError(f"torch threads must be >= 0 (0 = torch's default), got {self.torch_threads}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = the default: half the cores split over instances), "
+                             f"got {self.threads}")
         if not self.device:
             raise ValueError("device must be non-empty (cpu, cuda, cuda:1 ...)")
 
@@ -96,7 +97,7 @@ def model_config(opts: TritonRepoOptions, engine_dir: Path) -> str:
             + _tensor_block("input", INPUTS) + _tensor_block("output", OUTPUTS)
             + f"instance_group [ {{ count: {opts.instance_count} kind: KIND_CPU }} ]\n"
             + _parameters({"engine_dir": str(engine_dir), "device": opts.device,
-                           "kv_budget_mb": str(opts.kv_budget_mb), "torch_threads": str(opts.torch_threads)}))
+                           "kv_budget_mb": str(opts.kv_budget_mb), "threads": str(opts.threads)}))
 
 
 def ensemble_config() -> str:
