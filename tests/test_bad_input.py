@@ -168,13 +168,16 @@ def test_empty_prompt(capsys, tiny_engine):
 def test_empty_prompt_in_a_prompts_file(capsys, tmp_path, tiny_engine):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello"}\n{"prompt": ""}\n')
-    assert "prompt is empty" in cli_error(capsys, run_main, ["--engine", tiny_engine("llama"),
-                                                             "--prompts-file", prompts])
+    capsys.readouterr()
+    assert run_main(["--engine", str(tiny_engine("llama")), "--prompts-file", str(prompts)]) == 2
+    out = capsys.readouterr()
+    assert 'prompts.jsonl:2: expected an object with a non-empty string "prompt"' in out.err
+    assert out.out == "", "no prompt may be generated before the file is checked"
 
 
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "a"}\nnot json\n', "prompts.jsonl:2: not valid JSON"),
-    ('{"text": "a"}\n', 'prompts.jsonl:1: expected an object with a string "prompt"'),
+    ('{"text": "a"}\n', 'prompts.jsonl:1: expected an object with a non-empty string "prompt"'),
     ("\n\n", "holds no prompts"),
 ])
 def test_malformed_prompts_file(capsys, tmp_path, tiny_engine, content, message):
@@ -219,7 +222,7 @@ def test_prompt_ids_outside_the_vocabulary(tiny_engine):
     (["--top-k", "-3"], "top_k must be >= 0 (0 disables it), got -3"),
     (["--max-new-tokens", "0"], "max_new_tokens must be positive, got 0"),
     (["--stop", ""], "stop strings must be non-empty"),
-    (["--kv-budget-mb", "0"], "KV memory budget must be positive"),
+    (["--kv-budget-mb", "0"], "--kv-budget-mb must be positive, got 0"),
 ])
 def test_invalid_generation_settings(capsys, tiny_engine, flags, message):
     err = cli_error(capsys, run_main, ["--engine", tiny_engine("llama"), "--prompt", "hello", *flags])
@@ -242,7 +245,7 @@ def test_kv_budget_too_small_for_the_request(capsys, tiny_engine):
     engine_dir = tiny_engine("llama", head_dim=512)
     err = cli_error(capsys, run_main, ["--engine", engine_dir, "--prompt", "hello", "--kv-budget-mb", "1",
                                        "--max-new-tokens", "100"])
-    assert "KV cache exhausted" in err and "raise the KV memory budget" in err
+    assert "KV cache exhausted" in err and "run with --kv-budget-mb" in err
 
 
 def test_invalid_build_dtype_and_block_size(capsys, tmp_path, tiny_checkpoint):

@@ -6,33 +6,37 @@ import json
 import sys
 from pathlib import Path
 
-from whiflash_trt.config import (BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig,
-                                 SpecConfig)
+from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig,
+                                 SamplingConfig, SpecConfig)
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.prompt_lines import parse_prompt_lines
+from whiflash_trt.runtime.device import check_device, default_threads, set_threads
+from whiflash_trt.runtime.kv_cache import KVCacheExhausted
 
-
+PROMPT_SEPARATOR = "-" * 40  # between the outputs of several prompts in plain-text mode
 
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
 
 
-def build_main(argv: list[str] | None = None) -> int:
-    from whiflash_trt.builder.build import BuildOptions, build_engine
-    from whiflash_trt.builder.triton_repo import TritonRepoOptions, write_triton_repo
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="whiflash-build", description="Compile a target into a whiflash engine directory and/or write a Triton "
         "model repository serving an engine.",
         epilog="Examples: whiflash-build --target smollm2-135m --output ENGINE [--triton-repo REPO]  |  "
-               "whiflash-build --engine ENGINE --triton-repo REPO (repository for an existing engine)")
+               "whiflash-build --engine ENGINE --triton-repo REPO (repository for an existing engine)",
+        formatter_class=DefaultsHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--target", help="named target (e.g. smollm2-135m, llama3-8b) or a path to a Hugging Face "
                                       "folder or .gguf file; needs --output")
     src.add_argument("--engine", type=Path, help="an existing engine directory (with --triton-repo)")
-    p.add_argument("--output", type=Path, help="engine directory to write (with --target)")
+    p.add_argument("--output", type=Path, help="engine directory to write (with --target): a new or empty directory, "
+                                               "or an existing engine with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the engine already in --output (a directory holding anything else is never touched)")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"],
                    help="engine dtype (default: bf16; fp32 for --backend onnx, whose CPU runtime has no bf16)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="KV cache block size (tokens)")
@@ -48,12 +52,23 @@ def build_main(argv: list[str] | None = None) -> int:
     t.add_argument("--triton-instances", type=int, default=1, help="model instances (requests served at once)")
     t.add_argument("--triton-device", default="cpu", help="device the served engine runs on (cpu, cuda, cuda:1)")
     t.add_argument("--triton-kv-budget-mb", type=int, default=256, help="KV memory of each instance")
-    t.add_argument("--triton-torch-threads", type=int, default=0,
-                   help="torch intra-op threads of each instance (0: torch's default, all cores; on a CPU server "
-                        "with N instances, cores / N)")
+    t.add_argument("--triton-threads", "--triton-torch-threads", type=int, default=0,
+                   help="torch threads of each instance (0: half the server's cores, split over the instances)")
     p.add_argument("--no-bundled", action="store_true",
                    help="do not add the drafters/router the package ships for a named target (smollm2-135m)")
+    return p
+
+
+def build_main(argv: list[str] | None = None) -> int:
+    from whiflash_trt.builder.build import BuildOptions, build_engine
+    from whiflash_trt.builder.triton_repo import TritonRepoOptions, write_triton_repo
+
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.overwrite and args.output is None:
+        p.error("--overwrite goes with --output")
+    if args.triton_repo is not None and args.triton_repo.exists() and not args.triton_repo.is_dir():
+        p.error(f"--triton-repo {args.triton_repo} is an existing file, not a directory")
     if args.target is not None and args.output is None:
         p.error("--target needs --output (the engine directory to write)")
     if args.engine is not None and (args.triton_repo is None or args.output is not None):
@@ -65,33 +80,42 @@ def build_main(argv: list[str] | None = None) -> int:
             engine_dir = build_engine(BuildOptions(target=args.target, output=args.output, dtype=dtype,
                                                    block_size=args.block_size, ar_drafter=args.ar_drafter,
                                                    dllm_drafter=args.dllm_drafter, router=args.router,
-                                                   backend=args.backend, bundled=not args.no_bundled))
+                                                   backend=args.backend, bundled=not args.no_bundled,
+                                                   overwrite=args.overwrite))
             print(f"engine written to {engine_dir}")
         if args.triton_repo is not None:
             repo = write_triton_repo(TritonRepoOptions(
                 engine_dir=engine_dir, output=args.triton_repo, instance_count=args.triton_instances,
                 device=args.triton_device, kv_budget_mb=args.triton_kv_budget_mb,
-                torch_threads=args.triton_torch_threads))
+                threads=args.triton_threads))
             print(f"Triton model repository written to {repo} (serve it with whiflash-serve --triton-repo {repo})")
     except (WhiflashError, ValueError) as e:
         return _fail(str(e))
     return 0
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    from whiflash_trt.serve import LOOPBACK, ServerOptions, check_python, exec_server
+def serve_parser() -> argparse.ArgumentParser:
+    from whiflash_trt.serve import LOOPBACK
 
     p = argparse.ArgumentParser(
         prog="whiflash-serve", description="Start Triton Inference Server (nvidia-pytriton's bundled binary) on a "
-        "model repository written by whiflash-build --triton-repo. Arguments after `--` go to tritonserver.")
+        "model repository written by whiflash-build --triton-repo. Arguments after `--` go to tritonserver. "
+        "Threads per model instance are set when the repository is written (whiflash-build --triton-threads).",
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--triton-repo", required=True, type=Path, help="model repository")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--address", default=LOOPBACK, help="address the server binds to (default: loopback only)")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
+    p.add_argument("--address", default=LOOPBACK, help="address the server binds to (loopback only by default)")
     p.add_argument("--backends-dir", type=Path, default=DEFAULT_CACHE_DIR / "triton-backends",
                    help="where the backend folder (links into nvidia-pytriton plus the Python stub) is prepared")
     p.add_argument("server_args", nargs="*", help="extra tritonserver arguments (after --)")
-    args = p.parse_args(argv)
+    return p
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    from whiflash_trt.serve import ServerOptions, check_python, exec_server
+
+    args = serve_parser().parse_args(argv)
     try:
         opts = ServerOptions(model_repository=args.triton_repo, http_port=args.http_port, grpc_port=args.grpc_port,
                              address=args.address, extra_args=tuple(args.server_args))
@@ -104,14 +128,17 @@ def serve_main(argv: list[str] | None = None) -> int:
     return 0  # not reached: exec_server replaces this process
 
 
-def _read_prompts(args) -> list[dict]:
+def _read_prompts(args) -> list[str]:
+    """Every prompt, checked before any is generated (an empty one names its file line)."""
     if args.prompts_file is None:
-        return [{"prompt": args.prompt}]
+        if not args.prompt:
+            raise WhiflashError("--prompt is empty")
+        return [args.prompt]
     try:
         lines = Path(args.prompts_file).read_text().splitlines()
     except OSError as e:
         raise WhiflashError(f"cannot read the prompts file {args.prompts_file}: {e.strerror or e}") from None
-    return [record for _, record in parse_prompt_lines(lines, str(args.prompts_file))]
+    return [record["prompt"] for _, record in parse_prompt_lines(lines, str(args.prompts_file), non_empty=True)]
 
 
 class _StreamPrinter:
@@ -152,57 +179,86 @@ class _StreamPrinter:
 
 
 def run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="whiflash-run", description="Generate text with a whiflash engine.")
-    p.add_argument("--engine", type=Path, help="engine directory (default: the embedded SmolLM2-135M, built once)")
+    p = argparse.ArgumentParser(prog="whiflash-run", description="Generate text with a whiflash engine.",
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--engine", type=Path, help="engine directory (default: the embedded SmolLM2-135M, built once "
+                                               "into --cache-dir)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", type=Path, help='JSON lines, one {"prompt": ...} per line')
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", help="system message for --chat")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off; with --temperature)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--mode", default="auto", choices=["auto", *MODES],
-                   help="ar: target only; eagle3 / dflash: one drafter; whiflash: routed per round; auto "
-                        "(default): whiflash when the engine has both drafters, else its one drafter, else ar")
-    p.add_argument("--router", default="auto", choices=["auto", *ROUTERS],
-                   help="whiflash routing policy; auto (default): neural when the engine has router weights")
+    p.add_argument("--mode", default=AUTO, choices=[AUTO, *MODES],
+                   help="ar: target only; eagle3 / dflash: one drafter; whiflash: routed per round; auto: whiflash "
+                        "when the engine has both drafters, else its one drafter, else ar")
+    p.add_argument("--router", default=AUTO, choices=[AUTO, *ROUTERS],
+                   help="whiflash routing policy; auto: neural when the engine has router weights, else entropy")
     p.add_argument("--threshold", type=float, help="router threshold (default: the engine's calibrated one)")
-    p.add_argument("--catch-up", default="lazy", choices=list(CATCH_UP),
-                   help="lazy: update a drafter only when chosen; eager: update both every round")
-    p.add_argument("--tree-top-k", type=int, default=SpecConfig.tree_top_k, help="EAGLE-3 tree branching (1 = chain)")
-    p.add_argument("--tree-depth", type=int, default=SpecConfig.tree_depth)
-    p.add_argument("--tree-total-tokens", type=int, default=SpecConfig.tree_total_tokens)
-    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--catch-up", choices=list(CATCH_UP),
+                   help="whiflash: lazy (the default) updates a drafter only when chosen; eager updates both every "
+                        "round")
+    p.add_argument("--tree-top-k", type=int, help=f"EAGLE-3 tree: children per expanded node, 1 = a chain "
+                                                  f"(default: {SpecConfig.tree_top_k})")
+    p.add_argument("--tree-depth", type=int, help=f"EAGLE-3 tree: draft steps per round "
+                                                  f"(default: {SpecConfig.tree_depth})")
+    p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round, root included "
+                                                         f"(default: {SpecConfig.tree_total_tokens})")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=default_threads(),
+                   help="torch threads: half this machine's cores; lower it when other jobs share the CPU, raise it "
+                        "to every core on a quiet one (with every core in use a single busy core halts decoding)")
     p.add_argument("--backend", choices=list(BACKENDS), help="run the engine with this backend (default: the one it "
                                                              "was built for; torch runs any engine)")
-    p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together")
+    p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where the default engine is built")
     return p
-
-
-def resolve_auto(mode: str, router: str, drafters: set[str], has_router: bool) -> tuple[str, str]:
-    """'auto' mode/router -> what the engine can do best: both drafters routed, else one, else target-only."""
-    if mode == "auto":
-        mode = ("whiflash" if {"eagle3", "dflash"} <= drafters else "eagle3" if "eagle3" in drafters
-                else "dflash" if "dflash" in drafters else "ar")
-    if router == "auto":
-        router = "neural" if has_router else "entropy"
-    return mode, router
 
 
 def run_main(argv: list[str] | None = None) -> int:
     args = run_parser().parse_args(argv)
     try:
         return _run(args)
+    except KVCacheExhausted as e:
+        return _fail(f"{e}; run with --kv-budget-mb {e.needed_mb} or more")
     except (WhiflashError, ValueError) as e:
         return _fail(str(e))
+
+
+def _requested_spec(args) -> SpecConfig:
+    """The speculation settings given on the command line (validated), before the engine resolves "auto"."""
+    if args.stream and args.json:
+        raise WhiflashError("--stream and --json do not combine: --json prints one object per prompt when it is done")
+    if args.kv_budget_mb <= 0:
+        raise WhiflashError(f"--kv-budget-mb must be positive, got {args.kv_budget_mb}")
+    tree = {k: v for k, v in (("tree_top_k", args.tree_top_k), ("tree_depth", args.tree_depth),
+                              ("tree_total_tokens", args.tree_total_tokens)) if v is not None}
+    return SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold,
+                      catch_up=args.catch_up or SpecConfig.catch_up, **tree)
+
+
+def _check_options_apply(args, mode: str) -> None:
+    """Options that the resolved mode would silently ignore are an error instead."""
+    routing = [f for f, given in (("--router", args.router != AUTO), ("--threshold", args.threshold is not None),
+                                  ("--catch-up", args.catch_up is not None)) if given]
+    if routing and mode != "whiflash":
+        raise WhiflashError(f"{', '.join(routing)} {_verb(routing)} only to --mode whiflash; this run's mode is {mode}")
+    tree = [f"--{k.replace('_', '-')}" for k in ("tree_top_k", "tree_depth", "tree_total_tokens")
+            if getattr(args, k) is not None]
+    if tree and mode not in ("eagle3", "whiflash"):
+        raise WhiflashError(f"{', '.join(tree)} {_verb(tree)} only to the EAGLE-3 drafter; this run's mode is {mode}")
+
+
+def _verb(options: list[str]) -> str:
+    return "applies" if len(options) == 1 else "apply"
 
 
 def _run(args) -> int:
@@ -211,17 +267,20 @@ def _run(args) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
                            sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k,
                                                    top_p=args.top_p, seed=args.seed))
+    requested = _requested_spec(args)
+    check_device(args.device)
+    set_threads(args.threads)
     prompts = _read_prompts(args)
     engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
     engine = Engine.load(engine_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=args.kv_budget_mb * 2**20,
                          backend=args.backend)
-    mode, router = resolve_auto(args.mode, args.router, set(engine.proposers), engine.router_file is not None)
-    spec = SpecConfig(mode=mode, router=router, threshold=args.threshold, catch_up=args.catch_up,
-                      tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
-                      tree_total_tokens=args.tree_total_tokens)
-    for record in prompts:
-        ids = engine.encode(record["prompt"], chat=args.chat, system=args.system)
-        printer = _StreamPrinter(engine.decode, tuple(args.stop)) if args.stream and not args.json else None
+    spec = engine.resolve_spec(requested)
+    _check_options_apply(args, spec.mode)
+    for i, prompt in enumerate(prompts):
+        ids = engine.encode(prompt, chat=args.chat, system=args.system)
+        printer = _StreamPrinter(engine.decode, tuple(args.stop)) if args.stream else None
+        if i and not args.json:
+            print(PROMPT_SEPARATOR, flush=True)
         result = engine.generate(ids, gen, on_tokens=printer, spec=spec)
         if args.json:
             print(json.dumps(result.to_json()), flush=True)

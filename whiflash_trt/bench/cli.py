@@ -11,6 +11,8 @@ from whiflash_trt.bench.modes import BASE_MODES
 from whiflash_trt.bench.prompts import CATEGORIES
 from whiflash_trt.config import CATCH_UP, SpecConfig
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.help_format import DefaultsHelpFormatter
+from whiflash_trt.runtime.device import default_threads
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -26,14 +28,15 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="whiflash-bench", description="Per-category acceptance, speed and switching "
-                                "overhead of every decoding mode, side by side, with a losslessness check.")
+                                "overhead of every decoding mode, side by side, with a losslessness check.",
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--engine", type=Path, help="engine directory (default: the embedded SmolLM2-135M, built once)")
     p.add_argument("--categories", type=_names, help=f"comma-separated, from {','.join(CATEGORIES)} "
                                                      f"(default: all, or all of --prompts-file)")
     p.add_argument("--modes", type=_names, default=BASE_MODES, help=f"comma-separated, from {','.join(BASE_MODES)} "
                                                                     f"(default: all; ar is required)")
     p.add_argument("--num-prompts", type=int, help="prompts per category (default: the whole set)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt and mode")
     p.add_argument("--out", type=Path, required=True, help="folder for results.json, results.md and the plots")
     p.add_argument("--prompts-file", type=Path,
                    help='JSON lines {"prompt": ..., "category": ..., "id": ...} instead of the built-in sets')
@@ -43,17 +46,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--neural-thresholds", type=_floats, help="sweep points for whiflash-neural (predicted dAL); "
                                                              "with a negative first value write =, e.g. "
                                                              "--neural-thresholds=-0.5,0.5")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="engine dtype")
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed in every mode first")
     p.add_argument("--near-tie", type=float, help="logit tolerance of the lossless check (default by dtype)")
-    p.add_argument("--catch-up", default=SpecConfig.catch_up, choices=list(CATCH_UP))
-    p.add_argument("--tree-top-k", type=int, default=SpecConfig.tree_top_k)
-    p.add_argument("--tree-depth", type=int, default=SpecConfig.tree_depth)
-    p.add_argument("--tree-total-tokens", type=int, default=SpecConfig.tree_total_tokens)
-    p.add_argument("--kv-budget-mb", type=int, default=256)
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice; on a machine shared with "
-                                               "other jobs fewer threads than cores can be much faster)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--catch-up", default=SpecConfig.catch_up, choices=list(CATCH_UP), help="routed modes' catch-up")
+    p.add_argument("--tree-top-k", type=int, default=SpecConfig.tree_top_k, help="EAGLE-3 tree: children per node")
+    p.add_argument("--tree-depth", type=int, default=SpecConfig.tree_depth, help="EAGLE-3 tree: draft steps")
+    p.add_argument("--tree-total-tokens", type=int, default=SpecConfig.tree_total_tokens,
+                   help="EAGLE-3 tree: nodes verified per round, root included")
+    p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
+    p.add_argument("--threads", type=int, default=default_threads(),
+                   help="torch threads (headline runs: 2; on a machine shared with other jobs fewer threads than "
+                        "cores can be much faster)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

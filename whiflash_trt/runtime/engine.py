@@ -25,7 +25,8 @@ from whiflash_trt.models.eagle3 import Eagle3Drafter
 from whiflash_trt.models.target import TargetModel
 from whiflash_trt.runtime.backends import engine_backend, load_graph_models
 from whiflash_trt.runtime.drafters import DFlashProposer, Eagle3Proposer
-from whiflash_trt.runtime.kv_cache import BlockAllocator, KVLayout, KVPool, num_blocks_for_budget
+from whiflash_trt.runtime.policy import resolve_spec
+from whiflash_trt.runtime.kv_cache import BlockAllocator, KVCacheExhausted, KVLayout, KVPool, num_blocks_for_budget
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.runtime.stats import RoundStats
 from whiflash_trt.runtime.stopping import StopChecker
@@ -88,6 +89,7 @@ class Engine:
             c = dflash.config
             layouts["dflash"] = KVLayout("dflash", c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         self.block_size = cache.block_size
+        self.bytes_per_block_id = sum(layout.bytes_per_block(cache.block_size) for layout in layouts.values())
         num_blocks = num_blocks_for_budget(cache.memory_budget_bytes, cache.block_size, list(layouts.values()))
         # One allocator; every model's pool has a block for each block id.
         self.allocator = BlockAllocator(num_blocks)
@@ -160,6 +162,10 @@ class Engine:
         return tuple(sorted(ids))
 
     # ----- modes -------------------------------------------------------------------------------------------------
+    def resolve_spec(self, spec: SpecConfig | None = None) -> SpecConfig:
+        """`spec` (default: all "auto") with auto mode/router resolved to what this engine holds (runtime.policy)."""
+        return resolve_spec(spec or SpecConfig(), set(self.proposers), self.router_file is not None)
+
     def proposers_for(self, spec: SpecConfig) -> dict:
         needed = {"ar": [], "eagle3": ["eagle3"], "dflash": ["dflash"], "whiflash": ["eagle3", "dflash"]}[spec.mode]
         missing = [n for n in needed if n not in self.proposers]
@@ -187,10 +193,10 @@ class Engine:
     def generate(self, prompt_ids: list[int], gen: GenerationConfig,
                  on_tokens: Callable[[list[int]], None] | None = None,
                  spec: SpecConfig | None = None) -> GenerationResult:
-        """Generate with the mode in `spec` (target-only by default). Greedy output equals target-only output
-        token for token; sampled output has the target's distribution. `on_tokens` receives each round's newly
-        final tokens (streaming)."""
-        spec = spec or SpecConfig()
+        """Generate with the mode in `spec` (default: the engine's own, see resolve_spec). Greedy output equals
+        target-only output token for token; sampled output has the target's distribution. `on_tokens` receives each
+        round's newly final tokens (streaming)."""
+        spec = self.resolve_spec(spec)
         proposers, router = self.proposers_for(spec), self.router_for(spec)
         max_pos = self.target.config.max_position_embeddings
         if not prompt_ids:
@@ -220,18 +226,31 @@ class Engine:
                 signal, new = self._round(seq, gen, spec, generator, proposers, router, signal, stats)
                 output += new
                 decision = stopper.check(output, len(new))
+        except KVCacheExhausted as e:
+            total = len(prompt_ids) + gen.max_new_tokens
+            needed = self._budget_mb_for(total, spec)
+            raise KVCacheExhausted(f"{e} at {seq.num_committed} of this request's up to {total} tokens; on its own "
+                                   f"it needs {needed} MB of KV memory", needed) from None
         finally:
             seq.free()
         seconds = time.perf_counter() - start
         tokens = output[:decision.keep]
         result_stats = {"mode": spec.mode, "rounds": len(stats.taus), "new_tokens": len(tokens),
                         "seconds": round(seconds, 4), "prefill_seconds": round(prefill_s, 4),
-                        "tokens_per_s": round(len(tokens) / seconds, 2) if seconds > 0 else 0.0}
+                        "tokens_per_s": round(len(tokens) / seconds, 2) if seconds > 0 else 0.0,
+                        "threads": torch.get_num_threads()}
         if spec.mode == "whiflash":
             result_stats.update(router=spec.router, threshold=router.threshold, catch_up=spec.catch_up)
         result_stats.update(stats.to_dict())
         return GenerationResult(tokens, stopper.final_text(tokens, decision.reason), len(prompt_ids),
                                 decision.reason, result_stats)
+
+    def _budget_mb_for(self, num_tokens: int, spec: SpecConfig) -> int:
+        """KV memory (MB, rounded up) one request of `num_tokens` needs, a round's draft slots included."""
+        slack = max((max(p.max_tree_tokens(spec), p.scratch_slots(spec) + 1) for p in self.proposers_for(spec).values()),
+                    default=1)
+        blocks = -(-(num_tokens + slack) // self.block_size)
+        return -(-blocks * self.bytes_per_block_id // 2**20)
 
     def _choose(self, logits: torch.Tensor, gen: GenerationConfig, generator) -> int:
         tree = DraftTree([0], [-1], [0])

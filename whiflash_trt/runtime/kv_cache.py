@@ -13,7 +13,12 @@ from whiflash_trt.errors import WhiflashError
 
 
 class KVCacheExhausted(WhiflashError):
-    """Raised before anything is written when a request needs more KV blocks than are free."""
+    """Raised before anything is written when a request needs more KV blocks than are free. `needed_mb`, where the
+    engine knows it, is the KV budget one such request needs on its own."""
+
+    def __init__(self, message: str, needed_mb: int | None = None) -> None:
+        super().__init__(message)
+        self.needed_mb = needed_mb
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,7 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise KVCacheExhausted(
-                f"KV cache exhausted: {n} blocks requested, {len(self._free)} of {self.num_blocks} free; "
-                f"raise the KV memory budget or shorten the request")
+                f"KV cache exhausted: {n} blocks requested, {len(self._free)} of {self.num_blocks} free")
         ids = [self._free.pop() for _ in range(n)]
         for b in ids:
             self._refs[b] = 1
