@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from whiflash_trt.errors import WhiflashError
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
@@ -233,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    {"data": _run_data, "eagle3": _run_eagle3, "dflash": _run_dflash, "router": _run_router,
-     "eval": _run_eval}[args.command](args)
+    try:
+        {"data": _run_data, "eagle3": _run_eagle3, "dflash": _run_dflash, "router": _run_router,
+         "eval": _run_eval}[args.command](args)
+    except WhiflashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

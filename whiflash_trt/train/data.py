@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from whiflash_trt.train.generate import BatchedGenerator, Finished
-from whiflash_trt.train.sources import CATEGORIES, PromptRecord, build_prompts
+from whiflash_trt.train.sources import CATEGORIES, PromptRecord, build_prompts, require_prompt_packages
 from whiflash_trt.train.target import chat_ids, eos_ids, load_target
 
 MANIFEST = "manifest.json"
@@ -133,6 +133,8 @@ def _interrupt(signum, frame):
 
 
 def generate_data(opts: DataOptions) -> Path:
+    if opts.split == "train":   # checked before the target loads and anything is written
+        require_prompt_packages()
     root = Path(opts.output)
     root.mkdir(parents=True, exist_ok=True)
     out = root if opts.split == "train" else root / opts.split

@@ -17,6 +17,8 @@ import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from whiflash_trt.errors import WhiflashError
+
 CATEGORIES = ("code", "json", "math", "prose")
 RG_MIN_SEED = 1000
 BFCL_BENCHMARK_SUBSETS = ("BFCL_v4_simple_python", "BFCL_v4_multiple")
@@ -26,6 +28,17 @@ BFCL_TRAIN_SUBSETS = ("BFCL_v4_parallel", "BFCL_v4_parallel_multiple", "BFCL_v4_
 RG_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "simple_equations", "fraction_simplification",
             "decimal_arithmetic", "leg_counting", "gcd", "lcm", "prime_factorization", "number_sorting",
             "word_sorting", "calendar_arithmetic", "time_intervals", "base_conversion")
+# module -> the command that installs it (bfcl-eval with --no-deps: only its data files are read, and its declared
+# dependencies are a long list of API clients)
+PROMPT_PACKAGES = {"reasoning_gym": "pip install reasoning-gym==0.1.25",
+                   "bfcl_eval": "pip install --no-deps bfcl-eval==2026.3.23"}
+
+
+def require_prompt_packages() -> None:
+    """Raise a WhiflashError naming the install command of every prompt package that is missing."""
+    missing = [cmd for module, cmd in PROMPT_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise WhiflashError(f"training prompts need packages that are not installed: {' && '.join(missing)}")
 
 
 @dataclass(frozen=True)
@@ -70,10 +83,8 @@ BFCL_SYSTEM = ("You are a function-calling assistant. Given the available functi
 
 
 def bfcl_dir() -> Path:
-    spec = importlib.util.find_spec("bfcl_eval")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("bfcl-eval is not installed: pip install --no-deps bfcl-eval==2026.3.23")
-    return Path(spec.origin).parent / "data"
+    require_prompt_packages()
+    return Path(importlib.util.find_spec("bfcl_eval").origin).parent / "data"
 
 
 def bfcl_prompt(record: dict) -> tuple[dict, ...]:
