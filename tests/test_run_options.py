@@ -119,15 +119,17 @@ def test_kv_exhaustion_names_the_flag_and_a_budget_that_works(tiny_engine):
     run("--engine", engine, "--prompt", "hello", "--kv-budget-mb", needed, "--max-new-tokens", 100)
 
 
-@pytest.mark.parametrize("script", ["whiflash-run", "whiflash-build", "whiflash-serve", "whiflash-bench"])
+@pytest.mark.parametrize("script", ["whiflash-run", "whiflash-build", "whiflash-serve", "whiflash-bench",
+                                    "whiflash-train"])
 def test_every_option_has_help_text(script):
     from whiflash_trt.bench.cli import parser as bench_parser
     from whiflash_trt.cli import build_parser, run_parser, serve_parser
+    from whiflash_trt.train.cli import parser as train_parser
 
     out = subprocess.run([str(BIN / script), "--help"], capture_output=True, text=True, timeout=120).stdout
     assert out.startswith(f"usage: {script}")
     parsers = {"whiflash-run": run_parser, "whiflash-build": build_parser, "whiflash-serve": serve_parser,
-               "whiflash-bench": bench_parser}[script]()
+               "whiflash-bench": bench_parser, "whiflash-train": train_parser}[script]()
     for p in _with_subparsers(parsers):
         for action in p._actions:
             assert action.help, f"{script} {p.prog}: {action.option_strings or action.dest} has no help text"

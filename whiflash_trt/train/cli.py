@@ -8,30 +8,32 @@ from pathlib import Path
 import torch
 
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.help_format import DefaultsHelpFormatter
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1 is fastest on a shared, loaded CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (prompt order, anchors, initialisation)")
 
 
 def _data(sub) -> None:
     p = sub.add_parser("data", help="self-distillation data: prompts, the target's responses, cached features")
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--target", default="smollm2-135m", help="named target, Hugging Face folder or .gguf")
+    p.add_argument("--output", type=Path, required=True, help="data folder (grown if it exists)")
     p.add_argument("--capture-layers", default=None,
                    help="comma-separated 0-based target layers to cache (default: EAGLE-3's 1, L/2-1, L-4)")
-    p.add_argument("--per-category", type=int, default=600)
-    p.add_argument("--num-val", type=int, default=12)
-    p.add_argument("--num-router", type=int, default=24)
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--lanes", type=int, default=64)
-    p.add_argument("--shard-size", type=int, default=64)
-    p.add_argument("--sampled-fraction", type=float, default=0.15)
-    p.add_argument("--max-sequences", type=int)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--per-category", type=int, default=600, help="training prompts per category (larger grows DATA)")
+    p.add_argument("--num-val", type=int, default=12, help="held-out validation prompts per category")
+    p.add_argument("--num-router", type=int, default=24, help="held-out router prompts per category")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="response tokens per prompt at most")
+    p.add_argument("--lanes", type=int, default=64, help="responses generated together (one batched forward)")
+    p.add_argument("--shard-size", type=int, default=64, help="sequences per data shard (the unit of resuming)")
+    p.add_argument("--sampled-fraction", type=float, default=0.15,
+                   help="share of responses sampled (temperature) rather than greedy")
+    p.add_argument("--max-sequences", type=int, help="stop after this many sequences (resumable)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target dtype for generation")
     p.add_argument("--split", default="train", choices=["train", "router"],
                    help="router: responses to the held-out router prompts (written to OUTPUT/router/)")
     _common(p)
@@ -53,16 +55,16 @@ def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, seqs: int) -> 
     p.add_argument("--data", type=Path, required=True, help="folder written by whiflash-train data")
     p.add_argument("--output", type=Path, required=True, help="run folder (resumed if it holds a checkpoint)")
     p.add_argument("--target", default=None, help="default: the target the data was made with")
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps in all (a resumed run continues)")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
     p.add_argument("--decay-from", type=int, default=None,
                    help="from this step the lr falls linearly to --min-lr-ratio x lr at --steps (default: constant)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--seqs-per-step", type=int, default=seqs)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr with --decay-from")
+    p.add_argument("--seqs-per-step", type=int, default=seqs, help="sequences per optimizer step")
     p.add_argument("--save-every", type=float, default=300.0, help="seconds between checkpoints")
     p.add_argument("--max-seconds", type=float, help="stop (resumably) after this much training time")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _common(p)
 
 
@@ -86,10 +88,10 @@ def _data_target(args):
 def _eagle3(sub) -> None:
     p = sub.add_parser("eagle3", help="train an EAGLE-3 drafter (public EAGLE-3 checkpoint format)")
     _loop_args(p, steps=2000, lr=6e-4, seqs=4)
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--ttt-steps", type=int, default=4)
-    p.add_argument("--prompt-weight", type=float, default=0.2)
-    p.add_argument("--max-positions", type=int, default=768)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the most frequent target tokens")
+    p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test steps unrolled on own outputs")
+    p.add_argument("--prompt-weight", type=float, default=0.2, help="loss weight of predictions inside the prompt")
+    p.add_argument("--max-positions", type=int, default=768, help="longest window of a sequence per step")
 
 
 def _run_eagle3(args) -> None:
@@ -104,12 +106,13 @@ def _run_eagle3(args) -> None:
 def _dflash(sub) -> None:
     p = sub.add_parser("dflash", help="train a DFlash drafter (public DFlash checkpoint format)")
     _loop_args(p, steps=2000, lr=6e-4, seqs=4)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--gamma", type=float)
-    p.add_argument("--anchors", type=int, default=24)
+    p.add_argument("--layers", type=int, default=3, help="drafter decoder layers")
+    p.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (bonus + drafts)")
+    p.add_argument("--gamma", type=float, help="loss weight decay exp(-(k-1)/gamma) over block positions "
+                                               "(default: the DFlash recipe's for the block size)")
+    p.add_argument("--anchors", type=int, default=24, help="random block anchors per sequence")
     p.add_argument("--loss-vocab", type=int, default=16384, help="CE over the most frequent tokens (0 = full vocab)")
-    p.add_argument("--prompt-weight", type=float, default=0.3)
+    p.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of blocks inside the prompt")
 
 
 def _run_dflash(args) -> None:
@@ -127,9 +130,9 @@ def _router(sub) -> None:
     p.add_argument("--eagle3", type=Path, required=True, help="EAGLE-3 checkpoint folder")
     p.add_argument("--dflash", type=Path, required=True, help="DFlash checkpoint folder")
     p.add_argument("--output", type=Path, required=True, help="router.safetensors to write (+ .json report)")
-    p.add_argument("--target", default=None)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--max-states", type=int)
+    p.add_argument("--target", default=None, help="default: the target the data was made with")
+    p.add_argument("--width", type=int, default=64, help="hidden width of the router MLP")
+    p.add_argument("--max-states", type=int, help="measure at most this many states (default: all)")
     p.add_argument("--cost-prompts", type=int, default=4, help="validation prompts to time one round of each")
     _common(p)
 
@@ -159,13 +162,13 @@ def _run_router(args) -> None:
 
 def _eval(sub) -> None:
     p = sub.add_parser("eval", help="acceptance length per category on the validation prompts, via the runtime")
-    p.add_argument("--data", type=Path, required=True)
-    p.add_argument("--eagle3", type=Path)
-    p.add_argument("--dflash", type=Path)
-    p.add_argument("--router", type=Path)
-    p.add_argument("--target", default=None)
-    p.add_argument("--per-category", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--data", type=Path, required=True, help="data folder (its validation prompts are used)")
+    p.add_argument("--eagle3", type=Path, help="EAGLE-3 checkpoint folder")
+    p.add_argument("--dflash", type=Path, help="DFlash checkpoint folder")
+    p.add_argument("--router", type=Path, help="router.safetensors (adds whiflash-neural)")
+    p.add_argument("--target", default=None, help="default: the target the data was made with")
+    p.add_argument("--per-category", type=int, default=3, help="validation prompts per category")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt and mode")
     p.add_argument("--modes", default=None, help="comma-separated: ar,eagle3,dflash,whiflash-entropy,whiflash-neural")
     p.add_argument("--tree", default=None, help="EAGLE-3 tree as TOP_K,DEPTH,TOTAL_TOKENS (default: the runtime's)")
     p.add_argument("--neural-threshold", type=float, default=None,
@@ -224,21 +227,25 @@ def _run_eval(args) -> None:
     print(text)
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="whiflash-train", description="Train EAGLE-3, DFlash and the router.",
+                                formatter_class=DefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, help="the step to run")
+    for add in (_data, _eagle3, _dflash, _router, _eval):
+        add(sub)
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsHelpFormatter
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="whiflash-train", description="Train EAGLE-3, DFlash and the router.")
-    sub = p.add_subparsers(dest="command", required=True)
-    _data(sub)
-    _eagle3(sub)
-    _dflash(sub)
-    _router(sub)
-    _eval(sub)
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     try:
         {"data": _run_data, "eagle3": _run_eagle3, "dflash": _run_dflash, "router": _run_router,
          "eval": _run_eval}[args.command](args)
-    except WhiflashError as e:
+    except (WhiflashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
