@@ -247,8 +247,8 @@ class Engine:
 
     def _budget_mb_for(self, num_tokens: int, spec: SpecConfig) -> int:
         """KV memory (MB, rounded up) one request of `num_tokens` needs, a round's draft slots included."""
-        slack = max((max(p.max_tree_tokens(spec), p.scratch_slots(spec) + 1) for p in self.proposers_for(spec).values()),
-                    default=1)
+        proposers = self.proposers_for(spec).values()
+        slack = max((max(p.max_tree_tokens(spec), p.scratch_slots(spec) + 1) for p in proposers), default=1)
         blocks = -(-(num_tokens + slack) // self.block_size)
         return -(-blocks * self.bytes_per_block_id // 2**20)
 
