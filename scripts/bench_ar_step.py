@@ -26,12 +26,9 @@ import torch
 
 def decode_loop(engine, prompt: list[int], num_tokens: int, width: int, entropy: bool) -> tuple[float, list[int]]:
     """Greedy target-only decode with `width`-token steps (width - 1 rows of padding). -> (s/token, tokens)."""
-    from whiflash_trt.runtime.sequence import Sequence
     from whiflash_trt.spec.router import entropy_of
 
-    seq = Sequence(prompt, engine.allocator, engine.block_size)
-    try:
-        seq.reserve(len(prompt))
+    with engine.scratch_sequence(prompt) as seq:
         out = engine.runner.step(seq, prompt, logits_rows=[len(prompt) - 1])
         seq.commit(prompt, int(out.logits[-1].argmax()))
         tokens = [seq.pending]
@@ -44,8 +41,6 @@ def decode_loop(engine, prompt: list[int], num_tokens: int, width: int, entropy:
             seq.commit([seq.pending], int(out.logits[0].argmax()))
             tokens.append(seq.pending)
         return (time.perf_counter() - start) / (num_tokens - 1), tokens
-    finally:
-        seq.free()
 
 
 def engine_ar(engine, prompt: list[int], num_tokens: int) -> tuple[float, list[int]]:
@@ -57,19 +52,13 @@ def engine_ar(engine, prompt: list[int], num_tokens: int) -> tuple[float, list[i
 
 
 def step_time(engine, prompt: list[int], q: int, iters: int) -> float:
-    from whiflash_trt.runtime.sequence import Sequence
-
-    seq = Sequence(prompt, engine.allocator, engine.block_size)
-    try:
-        seq.reserve(len(prompt) + q)
+    with engine.scratch_sequence(prompt, len(prompt) + q) as seq:
         engine.runner.step(seq, prompt)
         seq.commit(prompt, 0)
         start = time.perf_counter()
         for _ in range(iters):
             engine.runner.step(seq, prompt[:q], logits_rows=[0])
         return (time.perf_counter() - start) / iters
-    finally:
-        seq.free()
 
 
 def main() -> None:

@@ -11,8 +11,7 @@ import time
 
 import torch
 
-from whiflash_trt.config import SpecConfig
-from whiflash_trt.runtime.sequence import Sequence
+from whiflash_trt.config import DFLASH, EAGLE3, TreeConfig
 from whiflash_trt.train.dflash_trainer import DFlashOptions, make_drafter as make_dflash
 from whiflash_trt.train.eagle3_trainer import Eagle3Options, make_drafter as make_eagle3
 from whiflash_trt.train.evaluate import make_engine
@@ -43,20 +42,18 @@ def main() -> None:
         from whiflash_trt.models.drafter_checkpoints import save_dflash
         import tempfile
         with tempfile.TemporaryDirectory() as d:
-            save_dflash(make_dflash(target, capture, DFlashOptions(num_layers=layers, block_size=block)), d, n_layers)
+            opts = DFlashOptions(num_layers=layers, draft_block_len=block)
+            save_dflash(make_dflash(target, capture, opts), d, n_layers)
             engine = make_engine(target, tok, dflash=d)
         ids = torch.randint(100, 40000, (args.context,)).tolist()
-        seq = Sequence(ids, engine.allocator, engine.block_size)
-        seq.reserve(args.context + block)
-        out = engine.runner.step(seq, ids, capture=True)
-        seq.commit(ids, 5, out.captured, {"dflash": 0})
-        prop = engine.proposers["dflash"]
-        prop.catch_up(seq)
-        spec = SpecConfig(mode="dflash")
-        draft = timed(lambda: prop.propose(seq, spec), args.repeats)
-        verify = timed(lambda: engine.runner.step(seq, [5] * block, capture=True), args.repeats)
-        one = timed(lambda: engine.runner.step(seq, [5], capture=True), args.repeats)
-        seq.free()
+        with engine.scratch_sequence(ids, args.context + block) as seq:
+            out = engine.runner.step(seq, ids, capture=True)
+            seq.commit(ids, 5, out.captured, {DFLASH: 0})
+            prop = engine.proposers[DFLASH]
+            prop.catch_up(seq)
+            draft = timed(lambda: prop.propose(seq), args.repeats)
+            verify = timed(lambda: engine.runner.step(seq, [5] * block, capture=True), args.repeats)
+            one = timed(lambda: engine.runner.step(seq, [5], capture=True), args.repeats)
         results.append({"drafter": "dflash", "layers": layers, "block_size": block, "draft_s": round(draft, 4),
                         "verify_s": round(verify, 4), "ar_step_s": round(one, 4)})
         print(json.dumps(results[-1]), flush=True)
@@ -67,20 +64,17 @@ def main() -> None:
         save_eagle3(make_eagle3(target, vocab, Eagle3Options()), d)
         engine = make_engine(target, tok, eagle3=d)
     ids = torch.randint(100, 40000, (args.context,)).tolist()
-    seq = Sequence(ids, engine.allocator, engine.block_size)
-    spec = SpecConfig(mode="eagle3")
-    seq.reserve(args.context + spec.tree_total_tokens + spec.tree_depth * spec.tree_top_k)
-    out = engine.runner.step(seq, ids, capture=True)
-    seq.commit(ids, 5, out.captured, {"eagle3": 0})
-    prop = engine.proposers["eagle3"]
-    prop.catch_up(seq)
-    proposal = prop.propose(seq, spec)
-    tree = proposal.tree
-    draft = timed(lambda: prop.propose(seq, spec), args.repeats)
-    verify = timed(lambda: engine.runner.step(seq, tree.tokens, depths=tree.depths, tree_mask=tree.mask(),
-                                              capture=True), args.repeats)
-    seq.free()
-    print(json.dumps({"drafter": "eagle3", "tree": [spec.tree_top_k, spec.tree_depth, spec.tree_total_tokens],
+    shape = TreeConfig()
+    with engine.scratch_sequence(ids, args.context + shape.total_tokens + shape.depth * shape.top_k) as seq:
+        out = engine.runner.step(seq, ids, capture=True)
+        seq.commit(ids, 5, out.captured, {EAGLE3: 0})
+        prop = engine.proposers[EAGLE3].with_tree(shape)
+        prop.catch_up(seq)
+        tree = prop.propose(seq).tree
+        draft = timed(lambda: prop.propose(seq), args.repeats)
+        verify = timed(lambda: engine.runner.step(seq, tree.tokens, depths=tree.depths, tree_mask=tree.mask(),
+                                                  capture=True), args.repeats)
+    print(json.dumps({"drafter": "eagle3", "tree": [shape.top_k, shape.depth, shape.total_tokens],
                       "draft_s": round(draft, 4), "verify_s": round(verify, 4)}), flush=True)
 
 

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from whiflash_trt.config import CacheConfig, GenerationConfig, RopeConfig, SpecConfig
+from whiflash_trt.config import CacheConfig, GenerationConfig, RopeConfig, SpecConfig, TreeConfig
 from whiflash_trt.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from whiflash_trt.models.eagle3 import Eagle3Config, Eagle3Drafter
 from whiflash_trt.runtime.engine import Engine
-from whiflash_trt.runtime.sequence import Sequence
+from whiflash_trt.runtime.loading import EngineParts
 
 
 def drafters(target, args):
@@ -49,16 +49,12 @@ def catch_up_ms(engine, proposer, backlog, repeats=5):
     prompt = list(range(100, 100 + backlog + 2))
     times = []
     for _ in range(repeats):
-        seq = Sequence(prompt, engine.allocator, engine.block_size)
-        try:
-            seq.reserve(len(prompt) + 1)
+        with engine.scratch_sequence(prompt, len(prompt) + 1) as seq:
             out = engine.runner.step(seq, prompt, logits_rows=[len(prompt) - 1], capture=True)
             seq.commit(prompt, 5, out.captured, {proposer.name: 0})
             t = time.perf_counter()
             proposer.catch_up(seq)
             times.append((time.perf_counter() - t) * 1000)
-        finally:
-            seq.free()
     return statistics.median(times)
 
 
@@ -77,13 +73,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     base = Engine.load(default_engine(DEFAULT_CACHE_DIR))
     eagle, dflash = drafters(base.target.config, args)
-    engine = Engine(base.target, base.tokenizer, base.manifest, CacheConfig(), eagle3=eagle, dflash=dflash)
+    parts = EngineParts(base.target, base.tokenizer, eagle.to(dtype=base.target.dtype),
+                        dflash.to(dtype=base.target.dtype), manifest=base.manifest)
+    engine = Engine(parts, CacheConfig())
     prompt = engine.encode("Write a Python function that parses a CSV line into a list of fields.", chat=True)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype "
-          f"{engine.target.embed_tokens.weight.dtype}, prompt {len(prompt)} tokens")
+          f"{engine.target.dtype}, prompt {len(prompt)} tokens")
     specs = {"ar": SpecConfig("ar"),
-             "eagle3 tree k4 d5 n16": SpecConfig("eagle3", tree_top_k=4, tree_depth=5, tree_total_tokens=16),
-             "eagle3 chain d4": SpecConfig("eagle3", tree_top_k=1, tree_depth=4, tree_total_tokens=5),
+             "eagle3 tree k4 d5 n16": SpecConfig("eagle3", tree=TreeConfig(4, 5, 16)),
+             "eagle3 chain d4": SpecConfig("eagle3", tree=TreeConfig(1, 4, 5)),
              f"dflash B={args.block_size} L={args.dflash_layers}": SpecConfig("dflash")}
     engine.generate(prompt, GenerationConfig(max_new_tokens=8), spec=specs["ar"])  # warm-up
     results = {name: per_round(engine, prompt, spec, args.tokens, args.repeats) for name, spec in specs.items()}

@@ -62,7 +62,8 @@ def make_router(folder: Path, target_dir: Path, tokenizer) -> Path:
     default threshold 0 it then routes to both drafters within one sequence."""
     from transformers import LlamaForCausalLM
 
-    from whiflash_trt.spec.router import RouterMLP, save_router
+    from whiflash_trt.spec.router import RouterMLP
+    from whiflash_trt.spec.router_file import save_router
 
     from whiflash_trt.bench.prompts import load_prompts
 

@@ -39,7 +39,8 @@ def make_checkpoints(out: Path) -> Path:
     from spec_fixtures import make_dflash, make_eagle3
     from whiflash_trt.config import ModelConfig
     from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
-    from whiflash_trt.spec.router import RouterMLP, save_router
+    from whiflash_trt.spec.router import RouterMLP
+    from whiflash_trt.spec.router_file import save_router
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer()

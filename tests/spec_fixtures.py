@@ -16,7 +16,8 @@ from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.models.dflash import DFlashConfig, DFlashDrafter
 from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
 from whiflash_trt.models.eagle3 import Eagle3Config, Eagle3Drafter
-from whiflash_trt.spec.router import RouterMLP, save_router
+from whiflash_trt.spec.router import RouterMLP
+from whiflash_trt.spec.router_file import save_router
 
 def make_target(folder: Path, seed: int = 0, num_layers: int = 8, max_positions: int = 512) -> ModelConfig:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -60,7 +61,7 @@ def make_dflash(target: ModelConfig, seed: int = 2, block_size: int = 6, std: fl
     cfg = DFlashConfig(hidden_size=h, intermediate_size=2 * h, num_layers=2, num_heads=4, num_kv_heads=2,
                        head_dim=h // 4, rms_norm_eps=1e-6, vocab_size=target.vocab_size,
                        max_position_embeddings=target.max_position_embeddings, rope=RopeConfig(theta=50000.0),
-                       block_size=block_size, mask_token_id=target.vocab_size,
+                       draft_block_len=block_size, mask_token_id=target.vocab_size,
                        target_layer_ids=(1, target.num_layers - 3))
     drafter = DFlashDrafter(cfg, h, carries_mask_embedding=True)
     for p in drafter.parameters():

@@ -162,7 +162,7 @@ def test_empty_prompt(capsys, tiny_engine):
     engine = Engine.load(engine_dir)
     with pytest.raises(WhiflashError, match="prompt is empty"):
         engine.generate([], GenerationConfig())
-    assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
 
 
 def test_empty_prompt_in_a_prompts_file(capsys, tmp_path, tiny_engine):

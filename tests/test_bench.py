@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench_fixtures import build_tiny_engine
-from whiflash_trt.bench.lossless import check_lossless, first_difference, target_logits_fn
+from whiflash_trt.bench.lossless import check_lossless, first_difference
 from whiflash_trt.bench.modes import BASE_MODES, base_mode, sweep_points
 from whiflash_trt.bench.prompts import CATEGORIES, load_prompts, prompt_set_digest
 from whiflash_trt.config import SpecConfig
@@ -218,7 +218,7 @@ def test_lossless_check_flags_a_corrupted_mode(bench_run, tiny_engine):
     ids = {r["prompt_id"]: engine.encode(p.prompt, chat=True) for r in records
            for p in load_prompts(["code"], 2) if p.id == r["prompt_id"]}
     # The test double: replace one token by the target's LEAST likely token there.
-    logits = target_logits_fn(engine)
+    logits = engine.target_logits
     pos = 2
     victim["token_ids"][pos] = int(logits(ids[victim["prompt_id"]] + victim["token_ids"][:pos]).argmin())
     report = check_lossless(records, ids, logits, tolerance=1e-3)

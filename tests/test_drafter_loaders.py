@@ -11,7 +11,8 @@ from spec_fixtures import make_dflash, make_eagle3
 from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.errors import CheckpointError
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3, save_dflash, save_eagle3
-from whiflash_trt.spec.router import RouterMLP, load_router, save_router
+from whiflash_trt.spec.router import RouterMLP
+from whiflash_trt.spec.router_file import load_router, save_router
 
 TARGET = ModelConfig(architecture="llama", vocab_size=120, hidden_size=64, intermediate_size=128, num_layers=8,
                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
@@ -90,7 +91,7 @@ def test_dflash_public_layout_round_trips_with_mask_embedding(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["mask_token_id"] == 120
     loaded = load_dflash(tmp_path, TARGET)
-    assert loaded.mask_embedding is not None and loaded.config.block_size == 6
+    assert loaded.mask_embedding is not None and loaded.config.draft_block_len == 6
     for k, v in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
 

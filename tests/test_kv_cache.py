@@ -236,7 +236,7 @@ def test_engine_returns_every_block_after_finished_and_failed_requests(tiny_chec
                                            dtype="fp32", block_size=4, show_progress=False))
     # 2 KV heads x 16 dims x 3 layers x K,V x fp32: 768 bytes per token; 12 blocks of 4 tokens = 48 slots in all
     engine = Engine.load(engine_dir, kv_budget_bytes=12 * 4 * 768)
-    allocator = engine.allocator
+    allocator = engine.kv.allocator
     assert allocator.num_blocks == 12
     requests = [  # (prompt length, max_new_tokens, expected outcome)
         (10, 20, "ok"),

@@ -17,8 +17,11 @@ class RecordingProposer:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose(self, seq, spec):
-        proposal = self.inner.propose(seq, spec)
+    def with_tree(self, tree):
+        return RecordingProposer(self.inner.with_tree(tree), self.log)
+
+    def propose(self, seq):
+        proposal = self.inner.propose(seq)
         self.log.append((self.inner.name, seq.num_committed, proposal.tree.tokens, proposal.tree.parents))
         return proposal
 

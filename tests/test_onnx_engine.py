@@ -12,13 +12,13 @@ pytest.importorskip("onnxscript")  # the exporter
 from onnx_fixtures import manifest_json, tiny_engines  # noqa: E402
 
 from whiflash_trt.builder.build import BuildOptions  # noqa: E402
-from whiflash_trt.config import GenerationConfig, SpecConfig  # noqa: E402
+from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig  # noqa: E402
 from whiflash_trt.runtime.engine import Engine  # noqa: E402
 
 # The tiny random target is near-uniform (entropy ~5.6906 nats) and the random router (seed 3) predicts around 0:
 # these thresholds make whiflash switch between the drafters within one request (the test checks that it does).
 SPECS = [SpecConfig("ar"), SpecConfig(mode="eagle3"),
-         SpecConfig(mode="eagle3", tree_top_k=1, tree_depth=4, tree_total_tokens=5), SpecConfig(mode="dflash"),
+         SpecConfig(mode="eagle3", tree=TreeConfig(top_k=1, depth=4, total_tokens=5)), SpecConfig(mode="dflash"),
          SpecConfig(mode="whiflash", router="entropy", threshold=5.6906),
          SpecConfig(mode="whiflash", router="entropy", threshold=5.6906, catch_up="eager"),
          SpecConfig(mode="whiflash", router="neural", threshold=0.0)]
@@ -35,7 +35,7 @@ def prompts(n: int, seed: int = 0):
     return [[rng.randrange(1, 300) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.router}-{s.catch_up}-k{s.tree_top_k}")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.router}-{s.catch_up}-k{s.tree.top_k}")
 def test_onnx_engine_greedy_tokens_equal_torch_engine(engines, spec):
     torch_engine, onnx_engine = engines
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
@@ -49,7 +49,7 @@ def test_onnx_engine_greedy_tokens_equal_torch_engine(engines, spec):
             used[name] = used.get(name, 0) + n
     if spec.mode == "whiflash":
         assert used.get("eagle3") and used.get("dflash"), used      # the router really switched
-    assert onnx_engine.allocator.num_free == onnx_engine.allocator.num_blocks
+    assert onnx_engine.kv.allocator.num_free == onnx_engine.kv.allocator.num_blocks
 
 
 def test_whiflash_run_cli_on_onnx_engine_prints_torch_tokens(engines, capsys):

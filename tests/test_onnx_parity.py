@@ -41,7 +41,7 @@ def test_onnx_engine_runs_graph_models(engines):
 @pytest.mark.parametrize("case", ["prefill", "tree"])
 def test_target_step_matches_torch(engines, case):
     torch_engine, onnx_engine = engines
-    (kt, vt), (ko, vo) = random_pools(torch_engine.target_pool, 0)
+    (kt, vt), (ko, vo) = random_pools(torch_engine.kv.pools["target"], 0)
     if case == "prefill":
         t, past = 9, 0
         mask = torch.ones(t, t, dtype=torch.bool).tril()
@@ -67,16 +67,16 @@ def test_target_embedding_and_head_match_torch(engines):
     torch_engine, onnx_engine = engines
     ids = torch.tensor([3, 1, 299, 0])
     with torch.inference_mode():
-        assert close(onnx_engine.target.embed_tokens(ids), torch_engine.target.embed_tokens(ids))
+        assert close(onnx_engine.target.embed(ids), torch_engine.target.embed(ids))
         h = torch.randn(4, 64)
-        assert close(onnx_engine.target.lm_head(h), torch_engine.target.lm_head(h))
-    assert onnx_engine.target.embed_tokens.weight.dtype == torch.float32
+        assert close(onnx_engine.target.logits(h), torch_engine.target.logits(h))
+    assert onnx_engine.target.dtype == torch.float32
 
 
 def test_eagle3_step_head_fc_and_kv_prefill_match_torch(engines):
     torch_engine, onnx_engine = engines
     mt, mo = torch_engine.proposers["eagle3"].model, onnx_engine.proposers["eagle3"].model
-    (kt, vt), (ko, vo) = random_pools(torch_engine.pools["eagle3"], 3)
+    (kt, vt), (ko, vo) = random_pools(torch_engine.kv.pools["eagle3"], 3)
     g = torch.Generator().manual_seed(4)
     # a tree depth step: 3 nodes written in the middle of the read range, which runs past them (scratch)
     read = torch.arange(40, 70)
@@ -103,7 +103,7 @@ def test_eagle3_step_head_fc_and_kv_prefill_match_torch(engines):
 def test_dflash_block_and_kv_prefill_match_torch(engines):
     torch_engine, onnx_engine = engines
     mt, mo = torch_engine.proposers["dflash"].model, onnx_engine.proposers["dflash"].model
-    (kt, vt), (ko, vo) = random_pools(torch_engine.pools["dflash"], 5)
+    (kt, vt), (ko, vo) = random_pools(torch_engine.kv.pools["dflash"], 5)
     g = torch.Generator().manual_seed(6)
     block = torch.randn(6, 64, generator=g)
     read = torch.randperm(100, generator=g)[:17]

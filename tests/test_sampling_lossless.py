@@ -96,20 +96,13 @@ import pytest  # noqa: E402
 
 from spec_fixtures import spec_engine, spec_engine_dir  # noqa: E402,F401  (fixtures)
 from whiflash_trt.config import GenerationConfig, SamplingConfig, SpecConfig  # noqa: E402
-from whiflash_trt.runtime.sequence import Sequence  # noqa: E402
 from whiflash_trt.spec.sampling import target_probs  # noqa: E402
 
 SAMPLING = SamplingConfig(temperature=0.8, top_k=3, top_p=0.95)
 
 
 def _target_next_probs(engine, ids: list[int]) -> torch.Tensor:
-    seq = Sequence(ids, engine.allocator, engine.block_size)
-    try:
-        seq.reserve(len(ids))
-        out = engine.runner.step(seq, ids, logits_rows=[len(ids) - 1])
-    finally:
-        seq.free()
-    return target_probs(out.logits[-1], SAMPLING).double()
+    return target_probs(engine.target_logits(ids), SAMPLING).double()
 
 
 @pytest.mark.parametrize("spec", [SpecConfig("ar"), SpecConfig("eagle3"), SpecConfig("dflash"),

@@ -6,14 +6,14 @@ import random
 import pytest
 
 from spec_fixtures import spec_engine, spec_engine_dir  # noqa: F401  (fixtures)
-from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.runtime.drafters import Proposal
 from whiflash_trt.spec.tree import DraftTree
 
 SPECS = [
     SpecConfig(mode="eagle3"),
-    SpecConfig(mode="eagle3", tree_top_k=1, tree_depth=4, tree_total_tokens=5),      # chain
-    SpecConfig(mode="eagle3", tree_top_k=3, tree_depth=3, tree_total_tokens=8),
+    SpecConfig(mode="eagle3", tree=TreeConfig(top_k=1, depth=4, total_tokens=5)),      # chain
+    SpecConfig(mode="eagle3", tree=TreeConfig(top_k=3, depth=3, total_tokens=8)),
     SpecConfig(mode="dflash"),
     SpecConfig(mode="whiflash", router="entropy", threshold=1.5),
     SpecConfig(mode="whiflash", router="entropy", threshold=1.2, catch_up="eager"),
@@ -27,17 +27,17 @@ def _prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.router}-{s.threshold}-{s.catch_up}-k{s.tree_top_k}")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.router}-{s.threshold}-{s.catch_up}-k{s.tree.top_k}")
 def test_every_mode_equals_target_only_greedy(spec_engine, spec):
     vocab = spec_engine.target.config.vocab_size
-    for i, prompt in enumerate(_prompts(5, seed=len(SPECS) + spec.tree_top_k, vocab=vocab)):
+    for i, prompt in enumerate(_prompts(5, seed=len(SPECS) + spec.tree.top_k, vocab=vocab)):
         gen = GenerationConfig(max_new_tokens=3 + 11 * i)
         ref = spec_engine.generate(prompt, gen)
         out = spec_engine.generate(prompt, gen, spec=spec)
         assert out.token_ids == ref.token_ids, f"prompt {i}: {spec}"
         assert out.finish_reason == ref.finish_reason
         assert out.stats["new_tokens"] == len(ref.token_ids)
-    assert spec_engine.allocator.num_free == spec_engine.allocator.num_blocks
+    assert spec_engine.kv.allocator.num_free == spec_engine.kv.allocator.num_blocks
 
 
 def test_whiflash_routes_to_both_drafters_and_switches(spec_engine):
@@ -59,12 +59,11 @@ class OracleProposer:
     def __init__(self, name, reference: list[int], tree: bool, block: int, seed: int) -> None:
         self.name, self.reference, self.tree, self.block = name, reference, tree, block
         self.rng = random.Random(seed)
-        self.capture_layers = ()
 
-    def scratch_slots(self, spec):
+    def scratch_slots(self):
         return 0
 
-    def max_tree_tokens(self, spec):
+    def max_tree_tokens(self):
         return 3 * self.block + 1 if self.tree else self.block
 
     def backlog(self, seq):
@@ -73,7 +72,7 @@ class OracleProposer:
     def catch_up(self, seq):
         return seq.num_committed
 
-    def propose(self, seq, spec):
+    def propose(self, seq):
         n_out = seq.num_committed - seq.num_prompt_tokens + 1   # output tokens so far, pending included
         truth = self.reference[n_out:n_out + self.block - 1]
         drafts = [t if self.rng.random() < 0.85 else (t + 1) % 50 for t in truth]

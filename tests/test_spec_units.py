@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spec_fixtures import spec_engine, spec_engine_dir  # noqa: F401  (fixtures)
-from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.spec.router import EntropyRouter, NeuralRouter, RouterMLP, RouteSignal, entropy_of
 from whiflash_trt.spec.tree import DraftTree, select_nodes
@@ -116,10 +116,10 @@ def test_mode_without_its_drafter_is_a_clear_error(spec_engine):
 def test_no_blocks_leak_across_hundreds_of_mixed_requests(spec_engine):
     rng = random.Random(1)
     vocab = spec_engine.target.config.vocab_size
-    specs = [SpecConfig("ar"), SpecConfig("eagle3"), SpecConfig("eagle3", tree_top_k=1, tree_total_tokens=4),
+    specs = [SpecConfig("ar"), SpecConfig("eagle3"), SpecConfig("eagle3", tree=TreeConfig(top_k=1, total_tokens=4)),
              SpecConfig("dflash"), SpecConfig("whiflash", "entropy", 1.5), SpecConfig("whiflash", "neural", 0.1),
              SpecConfig("whiflash", "entropy", 1.5, "eager")]
     for i in range(210):
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 12))]
         spec_engine.generate(prompt, GenerationConfig(max_new_tokens=rng.randrange(1, 8)), spec=specs[i % len(specs)])
-        assert spec_engine.allocator.num_free == spec_engine.allocator.num_blocks
+        assert spec_engine.kv.allocator.num_free == spec_engine.kv.allocator.num_blocks

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.train_fixtures import make_tiny_target
-from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.train.checkpointing import read_log
 from whiflash_trt.train.cli import main as train_main
@@ -100,26 +100,21 @@ def test_runtime_dflash_block_matches_training_forward(workspace):
     seq = next(data[i] for i in range(len(data)) if len(data[i].tokens) - data[i].prompt_len >= 6)
     drafter = load_dflash(workspace / "df" / "export", engine.target.config).float()
     loss = DFlashLoss(drafter, engine.target, data.feature_columns(drafter.config.capture_layers),
-                      DFlashOptions(num_layers=2, block_size=4, loss_vocab_size=0))
+                      DFlashOptions(num_layers=2, draft_block_len=4, loss_vocab_size=0))
     anchor = seq.prompt_len + 2
     with torch.no_grad():
         hidden = loss.forward_blocks(seq.features[:, loss.cols].float(), seq.tokens, torch.tensor([anchor]))
     trained = (hidden[0, 1:] @ engine.target.lm_head.weight.T).argmax(-1).tolist()
     # the runtime at the state "committed x_0..x_{anchor-1}, bonus x_anchor"
-    from whiflash_trt.runtime.sequence import Sequence
-
-    s = Sequence(seq.tokens[:anchor].tolist(), engine.allocator, engine.block_size)
-    s.reserve(anchor + 4)
-    s.commit(seq.tokens[:anchor].tolist(), int(seq.tokens[anchor]), seq.features[:anchor].clone())
-    proposer = engine.proposers["dflash"]
-    proposer.catch_up(s)
-    drafts = proposer.propose(s, SpecConfig(mode="dflash")).tree.tokens[1:]
-    s.free()
+    with engine.scratch_sequence(seq.tokens[:anchor].tolist(), anchor + 4) as s:
+        s.commit(seq.tokens[:anchor].tolist(), int(seq.tokens[anchor]), seq.features[:anchor].clone())
+        proposer = engine.proposers["dflash"]
+        proposer.catch_up(s)
+        drafts = proposer.propose(s).tree.tokens[1:]
     assert drafts == trained
 
 
 def test_runtime_eagle3_chain_matches_training_forward(workspace):
-    from whiflash_trt.runtime.sequence import Sequence
     from whiflash_trt.train.eagle3_trainer import Eagle3Loss, Eagle3Options
 
     engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
@@ -127,14 +122,11 @@ def test_runtime_eagle3_chain_matches_training_forward(workspace):
     data = TrainingData(workspace / "data")
     seq = next(data[i] for i in range(len(data)) if len(data[i].tokens) - data[i].prompt_len >= 6)
     n = seq.prompt_len + 2
-    s = Sequence(seq.tokens[:n].tolist(), engine.allocator, engine.block_size)
-    s.reserve(n + 16)
-    s.commit(seq.tokens[:n].tolist(), int(seq.tokens[n]), seq.features[:n].clone())
-    proposer = engine.proposers["eagle3"]
-    proposer.catch_up(s)
-    spec = SpecConfig(mode="eagle3", tree_top_k=1, tree_depth=3, tree_total_tokens=4)
-    drafts = proposer.propose(s, spec).tree.tokens[1:]
-    s.free()
+    with engine.scratch_sequence(seq.tokens[:n].tolist(), n + 16) as s:
+        s.commit(seq.tokens[:n].tolist(), int(seq.tokens[n]), seq.features[:n].clone())
+        proposer = engine.proposers["eagle3"].with_tree(TreeConfig(top_k=1, depth=3, total_tokens=4))
+        proposer.catch_up(s)
+        drafts = proposer.propose(s).tree.tokens[1:]
     # training forward over tokens x_0..x_{n-1}, b, d_1, d_2 with the drafter's own tokens as later inputs
     drafter = load_eagle3(workspace / "e3" / "export", engine.target.config).float()
     loss = Eagle3Loss(drafter, engine.target, data.feature_columns(drafter.config.capture_layers),
@@ -170,7 +162,7 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
 
 
 def test_router_command_writes_a_router_the_engine_uses(workspace):
-    from whiflash_trt.spec.router import load_router
+    from whiflash_trt.spec.router_file import load_router
 
     out = workspace / "router.safetensors"
     assert train_main(["router", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),

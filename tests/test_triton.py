@@ -61,7 +61,8 @@ def make_tiny_engine(tmp: Path) -> Path:
     from whiflash_trt.builder.build import BuildOptions, build_engine
     from whiflash_trt.config import ModelConfig
     from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
-    from whiflash_trt.spec.router import RouterMLP, save_router
+    from whiflash_trt.spec.router import RouterMLP
+    from whiflash_trt.spec.router_file import save_router
 
     ckpt = make_tiny_checkpoint(tmp / "ckpt", num_hidden_layers=6)
     cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))

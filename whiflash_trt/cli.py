@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig,
-                                 SamplingConfig, SpecConfig)
+from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, EAGLE3, MODE_DRAFTERS, MODES, ROUTERS, WHIFLASH,
+                                 CacheConfig, GenerationConfig, SamplingConfig, SpecConfig, TreeConfig)
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
@@ -204,11 +204,11 @@ def run_parser() -> argparse.ArgumentParser:
                    help="whiflash: lazy (the default) updates a drafter only when chosen; eager updates both every "
                         "round")
     p.add_argument("--tree-top-k", type=int, help=f"EAGLE-3 tree: children per expanded node, 1 = a chain "
-                                                  f"(default: {SpecConfig.tree_top_k})")
+                                                  f"(default: {TreeConfig.top_k})")
     p.add_argument("--tree-depth", type=int, help=f"EAGLE-3 tree: draft steps per round "
-                                                  f"(default: {SpecConfig.tree_depth})")
+                                                  f"(default: {TreeConfig.depth})")
     p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round, root included "
-                                                         f"(default: {SpecConfig.tree_total_tokens})")
+                                                         f"(default: {TreeConfig.total_tokens})")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
@@ -239,21 +239,21 @@ def _requested_spec(args) -> SpecConfig:
         raise WhiflashError("--stream and --json do not combine: --json prints one object per prompt when it is done")
     if args.kv_budget_mb <= 0:
         raise WhiflashError(f"--kv-budget-mb must be positive, got {args.kv_budget_mb}")
-    tree = {k: v for k, v in (("tree_top_k", args.tree_top_k), ("tree_depth", args.tree_depth),
-                              ("tree_total_tokens", args.tree_total_tokens)) if v is not None}
+    tree = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
+                              ("total_tokens", args.tree_total_tokens)) if v is not None}
     return SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold,
-                      catch_up=args.catch_up or SpecConfig.catch_up, **tree)
+                      catch_up=args.catch_up or SpecConfig.catch_up, tree=TreeConfig(**tree))
 
 
 def _check_options_apply(args, mode: str) -> None:
     """Options that the resolved mode would silently ignore are an error instead."""
     routing = [f for f, given in (("--router", args.router != AUTO), ("--threshold", args.threshold is not None),
                                   ("--catch-up", args.catch_up is not None)) if given]
-    if routing and mode != "whiflash":
+    if routing and mode != WHIFLASH:
         raise WhiflashError(f"{', '.join(routing)} {_verb(routing)} only to --mode whiflash; this run's mode is {mode}")
     tree = [f"--{k.replace('_', '-')}" for k in ("tree_top_k", "tree_depth", "tree_total_tokens")
             if getattr(args, k) is not None]
-    if tree and mode not in ("eagle3", "whiflash"):
+    if tree and EAGLE3 not in MODE_DRAFTERS[mode]:
         raise WhiflashError(f"{', '.join(tree)} {_verb(tree)} only to the EAGLE-3 drafter; this run's mode is {mode}")
 
 

@@ -190,10 +190,26 @@ class GenerationConfig:
 
 
 AUTO = "auto"   # a mode or router resolved by the engine to what it holds (runtime.policy)
-MODES = ("ar", "eagle3", "dflash", "whiflash")
+EAGLE3, DFLASH = "eagle3", "dflash"   # the drafters: the engine's registry, their KV pools, engine components
+AR, WHIFLASH = "ar", "whiflash"       # target only; both drafters routed per round
+MODE_DRAFTERS = {AR: (), EAGLE3: (EAGLE3,), DFLASH: (DFLASH,), WHIFLASH: (EAGLE3, DFLASH)}   # mode -> drafters run
+MODES = tuple(MODE_DRAFTERS)
 BACKENDS = ("torch", "onnx", "tensorrt")
 ROUTERS = ("entropy", "neural")
 CATCH_UP = ("lazy", "eager")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of EAGLE-3's dynamic draft tree."""
+    top_k: int = 4            # children per expanded node (1 = a chain)
+    depth: int = 5            # draft steps per round
+    total_tokens: int = 16    # nodes verified per round, root (bonus) included
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:
+            raise ValueError(f"tree needs top_k >= 1, depth >= 1, total_tokens >= 2; got {self.top_k}, "
+                             f"{self.depth}, {self.total_tokens}")
 
 
 @dataclass(frozen=True)
@@ -204,9 +220,7 @@ class SpecConfig:
     router: str = AUTO
     threshold: float | None = None
     catch_up: str = "lazy"
-    tree_top_k: int = 4           # EAGLE-3 dynamic tree: children per expanded node (1 = a chain)
-    tree_depth: int = 5           # draft steps per round
-    tree_total_tokens: int = 16   # nodes verified per round, root (bonus) included
+    tree: TreeConfig = field(default_factory=TreeConfig)   # EAGLE-3 only
 
     def __post_init__(self) -> None:
         if self.mode not in (AUTO, *MODES):
@@ -217,6 +231,3 @@ class SpecConfig:
             raise ValueError(f"unknown catch-up {self.catch_up!r}; expected one of {', '.join(CATCH_UP)}")
         if self.threshold is not None and not math.isfinite(self.threshold):
             raise ValueError(f"router threshold must be finite, got {self.threshold}")
-        if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_total_tokens < 2:
-            raise ValueError(f"tree needs top_k >= 1, depth >= 1, total_tokens >= 2; got {self.tree_top_k}, "
-                             f"{self.tree_depth}, {self.tree_total_tokens}")

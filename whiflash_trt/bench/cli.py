@@ -9,7 +9,7 @@ from pathlib import Path
 from whiflash_trt.bench.harness import BenchOptions, run_benchmark
 from whiflash_trt.bench.modes import BASE_MODES
 from whiflash_trt.bench.prompts import CATEGORIES
-from whiflash_trt.config import CATCH_UP, SpecConfig
+from whiflash_trt.config import CATCH_UP, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.runtime.device import default_threads
@@ -50,9 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed in every mode first")
     p.add_argument("--near-tie", type=float, help="logit tolerance of the lossless check (default by dtype)")
     p.add_argument("--catch-up", default=SpecConfig.catch_up, choices=list(CATCH_UP), help="routed modes' catch-up")
-    p.add_argument("--tree-top-k", type=int, default=SpecConfig.tree_top_k, help="EAGLE-3 tree: children per node")
-    p.add_argument("--tree-depth", type=int, default=SpecConfig.tree_depth, help="EAGLE-3 tree: draft steps")
-    p.add_argument("--tree-total-tokens", type=int, default=SpecConfig.tree_total_tokens,
+    p.add_argument("--tree-top-k", type=int, default=TreeConfig.top_k, help="EAGLE-3 tree: children per node")
+    p.add_argument("--tree-depth", type=int, default=TreeConfig.depth, help="EAGLE-3 tree: draft steps")
+    p.add_argument("--tree-total-tokens", type=int, default=TreeConfig.total_tokens,
                    help="EAGLE-3 tree: nodes verified per round, root included")
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
     p.add_argument("--threads", type=int, default=default_threads(),
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             entropy_thresholds=args.entropy_thresholds, neural_thresholds=args.neural_thresholds,
             near_tie=args.near_tie, kv_budget_mb=args.kv_budget_mb, threads=args.threads,
             show_progress=not args.no_progress,
-            spec=SpecConfig(catch_up=args.catch_up, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
-                            tree_total_tokens=args.tree_total_tokens),
+            spec=SpecConfig(catch_up=args.catch_up, tree=TreeConfig(args.tree_top_k, args.tree_depth,
+                                                                    args.tree_total_tokens)),
             command_line=command)
         results = run_benchmark(opts)
     except (WhiflashError, ValueError) as e:

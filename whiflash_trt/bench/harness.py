@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from whiflash_trt.bench.modes import BASE_MODES, BenchMode, base_mode, sweep_points
 from whiflash_trt.bench.prompts import BenchPrompt
-from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.config import AR, WHIFLASH, GenerationConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
 
 WARMUP_TOKENS = 16
@@ -49,7 +49,7 @@ class BenchOptions:
             raise ValueError(f"--threads must be positive, got {self.threads}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-        if "ar" not in self.modes:
+        if AR not in self.modes:
             raise ValueError("the modes must include ar: it is the baseline of speedups and of the lossless check")
         if len(set(self.modes)) != len(self.modes):
             raise ValueError(f"modes repeat: {', '.join(self.modes)}")
@@ -65,7 +65,7 @@ def resolve_modes(engine, opts: BenchOptions) -> list[BenchMode]:
     if opts.threshold_sweep:
         lists = {"entropy": opts.entropy_thresholds, "neural": opts.neural_thresholds}
         for m in list(modes):
-            if m.spec.mode == "whiflash":
+            if m.spec.mode == WHIFLASH:
                 default = engine.router_for(m.spec).threshold
                 modes += sweep_points(m, default, None if lists[m.spec.router] is None
                                       else list(lists[m.spec.router]))
@@ -129,7 +129,7 @@ def run_prompts(engine, prompts: list[BenchPrompt], ids: dict[str, list[int]], m
 def run_benchmark(opts: BenchOptions) -> dict:
     """Load, run, check, summarise; write results.json, results.md and the plots into opts.out. -> results."""
     from whiflash_trt.bench import environment, goals, plots, report
-    from whiflash_trt.bench.lossless import NEAR_TIE, check_lossless, target_logits_fn
+    from whiflash_trt.bench.lossless import NEAR_TIE, check_lossless
     from whiflash_trt.bench.prompts import load_prompts, prompt_set_digest
     from whiflash_trt.bench.summary import summarize, threshold_sweep
     from whiflash_trt.runtime.engine import Engine
@@ -148,7 +148,7 @@ def run_benchmark(opts: BenchOptions) -> dict:
     warm_up(engine, [ids[p.id] for p in prompts[:opts.warmup]], modes, gen)
     records = run_prompts(engine, prompts, ids, modes, gen, opts.show_progress)
     tolerance = opts.near_tie if opts.near_tie is not None else NEAR_TIE[opts.dtype]
-    lossless = check_lossless(records, ids, target_logits_fn(engine), tolerance)
+    lossless = check_lossless(records, ids, engine.target_logits, tolerance)
     summary = summarize(records)
     results = {
         "schema": "whiflash-bench-v1",

@@ -94,18 +94,3 @@ def check_lossless(records: list[dict], prompt_ids: dict[str, list[int]], logits
     return {"baseline": baseline, "tolerance": tolerance, "by_mode": by_mode,
             "divergences": [d.to_dict() for d in divergences], "errors": errors,
             "bugs": sum(not d.near_tie for d in divergences) + len(errors)}
-
-
-def target_logits_fn(engine) -> LogitsFn:
-    """The engine's own target, same dtype, one prefill forward over the ids (a fresh sequence, freed after)."""
-    from whiflash_trt.runtime.sequence import Sequence
-
-    def logits(ids: list[int]) -> torch.Tensor:
-        seq = Sequence(ids, engine.allocator, engine.block_size)
-        try:
-            seq.reserve(len(ids))
-            return engine.runner.step(seq, ids, logits_rows=[len(ids) - 1]).logits[-1]
-        finally:
-            seq.free()
-
-    return logits

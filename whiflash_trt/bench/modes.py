@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from whiflash_trt.config import SpecConfig
+from whiflash_trt.config import AR, DFLASH, EAGLE3, ROUTERS, WHIFLASH, SpecConfig
 from whiflash_trt.errors import WhiflashError
 
-BASE_MODES = ("ar", "eagle3", "dflash", "whiflash-entropy", "whiflash-neural")
-ROUTED = {"whiflash-entropy": "entropy", "whiflash-neural": "neural"}
+ROUTED = {f"{WHIFLASH}-{router}": router for router in ROUTERS}   # whiflash-entropy, whiflash-neural
+BASE_MODES = (AR, EAGLE3, DFLASH, *ROUTED)
 # Sweep points around the router's default threshold t0 (entropy: t0 * factor; neural: t0 + offset).
 ENTROPY_FACTORS = (0.25, 0.5, 2.0, 4.0)
 NEURAL_OFFSETS = (-1.0, -0.5, 0.5, 1.0)
@@ -36,7 +36,7 @@ def base_mode(name: str, template: SpecConfig) -> BenchMode:
     if name not in BASE_MODES:
         raise WhiflashError(f"unknown mode {name!r}; expected one of {', '.join(BASE_MODES)}")
     if name in ROUTED:
-        return BenchMode(name, name, replace(template, mode="whiflash", router=ROUTED[name], threshold=None))
+        return BenchMode(name, name, replace(template, mode=WHIFLASH, router=ROUTED[name], threshold=None))
     return BenchMode(name, name, replace(template, mode=name, threshold=None))
 
 

@@ -15,13 +15,13 @@ from whiflash_trt.builder.sources import load_checkpoint, load_tokenizer, resolv
 from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines
 from whiflash_trt.plugins.tensorrt_plugin import import_tensorrt
 from whiflash_trt.errors import WhiflashError
-from whiflash_trt.config import BACKENDS, CacheConfig, dtype_name, parse_dtype
+from whiflash_trt.config import BACKENDS, DFLASH, EAGLE3, CacheConfig, dtype_name, parse_dtype
 from whiflash_trt.builder.output_dir import check_output, install, staging_dir
 from whiflash_trt.manifest import ONNX_DIR, ROUTER_WEIGHTS, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
-from whiflash_trt.runtime.kv_cache import KVLayout
-from whiflash_trt.spec.router import load_router
+from whiflash_trt.runtime.kv_cache import kv_layouts
+from whiflash_trt.spec.router_file import load_router
 
 
 @dataclass(frozen=True)
@@ -48,24 +48,24 @@ class BuildOptions:
                              "MatMul/Gemm kernels) or fp16 (GPU providers)")
 
 
-def add_components(opts: BuildOptions, cfg, dtype: torch.dtype, engine_dir: Path) -> tuple[dict, list[KVLayout]]:
-    """Validate the drafters and router against the target, copy them into the engine, describe them."""
-    components: dict = {}
-    layouts: list[KVLayout] = []
+def add_components(opts: BuildOptions, cfg, engine_dir: Path) -> tuple[dict, dict]:
+    """Validate the drafters and router against the target, copy them into the engine, describe them.
+    -> (manifest components, each drafter's config by name)"""
+    components, configs = {}, {}
     if opts.ar_drafter is not None:
         drafter = load_eagle3(opts.ar_drafter, cfg)
         c = drafter.config
-        components["eagle3"] = _copy_folder(Path(opts.ar_drafter), engine_dir / "eagle3") | {
+        components[EAGLE3] = _copy_folder(Path(opts.ar_drafter), engine_dir / EAGLE3) | {
             "capture_layers": list(c.capture_layers), "draft_vocab_size": c.draft_vocab_size,
             "rope_theta": c.rope.theta}
-        layouts.append(KVLayout("eagle3", 1, c.num_kv_heads, c.head_dim, dtype))
+        configs[EAGLE3] = c
     if opts.dllm_drafter is not None:
         drafter = load_dflash(opts.dllm_drafter, cfg)
         c = drafter.config
-        components["dflash"] = _copy_folder(Path(opts.dllm_drafter), engine_dir / "dflash") | {
-            "capture_layers": list(c.capture_layers), "block_size": c.block_size, "num_layers": c.num_layers,
+        components[DFLASH] = _copy_folder(Path(opts.dllm_drafter), engine_dir / DFLASH) | {
+            "capture_layers": list(c.capture_layers), "draft_block_len": c.draft_block_len, "num_layers": c.num_layers,
             "mask_token_id": c.mask_token_id, "carries_mask_embedding": drafter.mask_embedding is not None}
-        layouts.append(KVLayout("dflash", c.num_layers, c.num_kv_heads, c.head_dim, dtype))
+        configs[DFLASH] = c
     if opts.router is not None:
         router = Path(opts.router)
         file = router / "router.safetensors" if router.is_dir() else router
@@ -74,7 +74,7 @@ def add_components(opts: BuildOptions, cfg, dtype: torch.dtype, engine_dir: Path
         components["router"] = {"path": ROUTER_WEIGHTS, "source": str(file.resolve()),
                                 "sha256": file_sha256([file]), "threshold": loaded.threshold,
                                 "entropy_threshold": loaded.entropy_threshold}
-    return components, layouts
+    return components, configs
 
 
 def _copy_folder(src: Path, dst: Path) -> dict:
@@ -146,8 +146,8 @@ def build_engine(opts: BuildOptions) -> Path:
         save_file(tensors, str(tmp / TARGET_WEIGHTS))
         tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
         cfg = ckpt.config
-        components, layouts = add_components(opts, cfg, dtype, tmp)
-        layouts.insert(0, KVLayout("target", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
+        components, drafters = add_components(opts, cfg, tmp)
+        layouts = kv_layouts({"target": cfg, **drafters}, dtype)
         graphs = {}
         if opts.backend != "torch":
             graphs["onnx"] = export_graphs(opts, Checkpoint(cfg, state, ckpt.source), dtype, tmp)

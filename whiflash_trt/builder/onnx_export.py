@@ -196,7 +196,7 @@ def eagle3_specs(drafter: Eagle3Drafter) -> list[GraphSpec]:
 def dflash_specs(drafter: DFlashDrafter) -> list[GraphSpec]:
     c = drafter.config
     dtype = drafter.fc.weight.dtype
-    b = c.block_size
+    b = c.draft_block_len
     k, v = _pool_sample(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
     feats = torch.randn(3, drafter.fc.in_features).to(dtype)
     return [

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from whiflash_trt.config import ModelConfig, RopeConfig
+from whiflash_trt.models.contracts import DFlash
 from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, paged_attention
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill
 
@@ -29,14 +30,14 @@ class DFlashConfig:
     vocab_size: int
     max_position_embeddings: int
     rope: RopeConfig
-    block_size: int
+    draft_block_len: int        # B: tokens per draft block, root included (the checkpoint's `block_size`)
     mask_token_id: int
     target_layer_ids: tuple[int, ...]   # 0-based target layer outputs (HF hidden_states[id + 1])
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size < 2:
-            raise ValueError(f"DFlash block_size must be >= 2, got {self.block_size}")
+        if self.draft_block_len < 2:
+            raise ValueError(f"DFlash block_size must be >= 2, got {self.draft_block_len}")
         if not self.target_layer_ids:
             raise ValueError("DFlash needs at least one target layer id")
         if self.mask_token_id < 0:
@@ -102,7 +103,7 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(nn.Module, DFlash):
     def __init__(self, cfg: DFlashConfig, target_hidden_size: int, carries_mask_embedding: bool) -> None:
         super().__init__()
         self.config = cfg

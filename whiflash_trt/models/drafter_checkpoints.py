@@ -140,7 +140,8 @@ def dflash_config(raw: dict, target: ModelConfig, where: Path) -> DFlashConfig:
         head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), vocab_size=int(raw.get("vocab_size", target.vocab_size)),
         max_position_embeddings=max(int(raw.get("max_position_embeddings", 0)), target.max_position_embeddings),
-        rope=RopeConfig.from_hf(raw), block_size=int(raw["block_size"]), mask_token_id=int(dcfg["mask_token_id"]),
+        rope=RopeConfig.from_hf(raw), draft_block_len=int(raw["block_size"]),
+        mask_token_id=int(dcfg["mask_token_id"]),
         target_layer_ids=tuple(int(i) for i in ids), attention_bias=bool(raw.get("attention_bias", False)))
     _check(cfg.hidden_size == target.hidden_size, where,
            f"hidden_size {cfg.hidden_size} != target hidden size {target.hidden_size} (it uses the target's "
@@ -176,7 +177,7 @@ def save_dflash(drafter: DFlashDrafter, folder: str | Path, num_target_layers: i
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
         "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
-        "rope_theta": c.rope.theta, "hidden_act": "silu", "attention_bias": False, "block_size": c.block_size,
+        "rope_theta": c.rope.theta, "hidden_act": "silu", "attention_bias": False, "block_size": c.draft_block_len,
         "num_target_layers": num_target_layers,
         "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
     }

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from whiflash_trt.config import ModelConfig, RopeConfig
+from whiflash_trt.models.contracts import Eagle3
 from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU
 from whiflash_trt.models.target import Attention
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill
@@ -41,6 +42,10 @@ class Eagle3Config:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in (0, vocab_size {self.vocab_size}]")
 
     @property
+    def num_layers(self) -> int:
+        return 1    # the midlayer
+
+    @property
     def capture_layers(self) -> tuple[int, ...]:
         """Target layer indices (0-based layer outputs) whose outputs the drafter needs, low to high."""
         return tuple(i - 1 for i in self.aux_layer_ids)
@@ -63,7 +68,7 @@ class Eagle3Layer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(nn.Module, Eagle3):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.config = cfg

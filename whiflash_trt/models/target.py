@@ -7,21 +7,13 @@ name map (drop the leading "model.").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from whiflash_trt.config import ModelConfig
+from whiflash_trt.models.contracts import Target, TargetOutput
 from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, paged_attention
-
-
-@dataclass
-class TargetOutput:
-    logits: torch.Tensor          # [len(logits_indices), vocab]
-    hidden: torch.Tensor          # [len(logits_indices), hidden] final-norm output at those rows
-    captured: torch.Tensor | None  # [T, len(capture_layers) * hidden] outputs of the requested layers, concatenated
 
 
 class Attention(nn.Module):
@@ -92,7 +84,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class TargetModel(nn.Module):
+class TargetModel(nn.Module, Target):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -103,6 +95,16 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
     def fuse_projections(self) -> None:
         """Inference-only: one matmul for q/k/v and one for gate/up per layer (fewer, larger weight streams)."""

@@ -1,18 +1,17 @@
 """The two drafters as the engine sees them: catch up (KV-only prefill of the backlog) and propose a draft tree.
 
-Capabilities are data (name, capture_layers, scratch slots); the engine keeps them in a registry dict. Neither
+Capabilities are data (name, scratch slots, tokens per round); the engine keeps them in a registry dict. Neither
 mutates the Sequence: both return the frontier they reached and the commit phase records it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, Protocol
 
 import torch
 
-from whiflash_trt.config import SpecConfig
-from whiflash_trt.models.dflash import DFlashDrafter
-from whiflash_trt.models.eagle3 import Eagle3Drafter
-from whiflash_trt.models.target import TargetModel
+from whiflash_trt.config import DFLASH, EAGLE3, TreeConfig
+from whiflash_trt.models.contracts import DFlash, Eagle3, Target, feature_columns
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.spec.tree import DraftTree, select_nodes
@@ -24,25 +23,49 @@ class Proposal:
     frontier: int            # the drafter's frontier after drafting
 
 
-def _columns(needed: tuple[int, ...], union: tuple[int, ...], hidden: int) -> torch.Tensor:
-    """Feature columns of `needed` layers inside the union capture (concatenated in `union` order)."""
-    return torch.cat([torch.arange(union.index(layer) * hidden, (union.index(layer) + 1) * hidden)
-                      for layer in needed])
+class Proposer(Protocol):
+    """A drafter bound to its KV pool. Pool slots it needs beyond the committed ones: max_tree_tokens() for the
+    verified tree, scratch_slots() for its own draft steps (the engine reserves the larger of the two, plus one)."""
+    name: ClassVar[str]
+
+    def max_tree_tokens(self) -> int: ...
+
+    def scratch_slots(self) -> int: ...
+
+    def backlog(self, seq: Sequence) -> int:
+        """Positions its cache lags behind the committed ones."""
+
+    def catch_up(self, seq: Sequence) -> int:
+        """KV-only prefill of the backlog -> the frontier reached."""
+
+    def propose(self, seq: Sequence) -> Proposal: ...
 
 
+def _columns(model: Eagle3 | DFlash, target: Target, union: tuple[int, ...], pool: KVPool) -> torch.Tensor:
+    return feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
+
+
+@dataclass(frozen=True, eq=False)
 class Eagle3Proposer:
-    name = "eagle3"
+    name: ClassVar[str] = EAGLE3
+    model: Eagle3
+    pool: KVPool
+    target: Target
+    cols: torch.Tensor            # the drafter's feature columns inside the engine's union capture
+    tree: TreeConfig = field(default_factory=TreeConfig)
 
-    def __init__(self, model: Eagle3Drafter, pool: KVPool, target: TargetModel, union: tuple[int, ...]) -> None:
-        self.model, self.pool, self.target = model, pool, target
-        self.capture_layers = model.config.capture_layers
-        self.cols = _columns(self.capture_layers, union, target.config.hidden_size).to(pool.k.device)
+    @classmethod
+    def create(cls, model: Eagle3, pool: KVPool, target: Target, union: tuple[int, ...]) -> "Eagle3Proposer":
+        return cls(model, pool, target, _columns(model, target, union, pool))
 
-    def scratch_slots(self, spec: SpecConfig) -> int:
-        return (spec.tree_depth - 1) * spec.tree_top_k
+    def with_tree(self, tree: TreeConfig) -> "Eagle3Proposer":
+        return replace(self, tree=tree)
 
-    def max_tree_tokens(self, spec: SpecConfig) -> int:
-        return spec.tree_total_tokens
+    def scratch_slots(self) -> int:
+        return (self.tree.depth - 1) * self.tree.top_k
+
+    def max_tree_tokens(self) -> int:
+        return self.tree.total_tokens
 
     def backlog(self, seq: Sequence) -> int:
         return max(0, seq.num_committed - 1 - seq.frontiers.get(self.name, 0))
@@ -56,20 +79,20 @@ class Eagle3Proposer:
             return max(start, 0)
         dev = self.pool.k.device
         feats = seq.features_between(start, end)[:, self.cols]
-        embeds = self.target.embed_tokens(torch.tensor(seq.tokens[start + 1:end + 1], device=dev))
+        embeds = self.target.embed(torch.tensor(seq.tokens[start + 1:end + 1], device=dev))
         k, v = self.model.kv_only(feats, embeds, torch.arange(start, end, device=dev))
         slots = seq.slots(start, end).to(dev)
         self.pool.k[:, slots], self.pool.v[:, slots] = k, v
         return end
 
     @torch.inference_mode()
-    def propose(self, seq: Sequence, spec: SpecConfig) -> Proposal:
+    def propose(self, seq: Sequence) -> Proposal:
         """EAGLE-2 style dynamic tree: expand the top_k best nodes per depth, keep the best total_tokens - 1."""
-        n, k, dev = seq.num_committed, spec.tree_top_k, self.pool.k.device
-        model, embed = self.model, self.target.embed_tokens
+        n, k, dev, scratch = seq.num_committed, self.tree.top_k, self.pool.k.device, self.scratch_slots()
+        model, embed = self.model, self.target.embed
         # Root: the full layer at position N-1 on (fc(F_{N-1}), b); it also writes that position's K/V.
         g = model.fc(seq.features_between(n - 1, n)[:, self.cols])
-        read = seq.slots(0, n + self.scratch_slots(spec)).to(dev)
+        read = seq.slots(0, n + scratch).to(dev)
         root_slot = read[n - 1:n]
         mask = torch.ones(1, n, dtype=torch.bool, device=dev)
         h = model(embed(torch.tensor([seq.pending], device=dev)), g, torch.tensor([n - 1], device=dev),
@@ -81,11 +104,11 @@ class Eagle3Proposer:
         parents, depths, scores = [-1] * k, [1] * k, top.values.tolist()
         level, level_hidden = list(range(k)), h.expand(k, -1)    # nodes to expand and their parents' hidden
         ancestors: dict[int, list[int]] = {-1: []}                # candidate -> scratch slots of expanded ancestors
-        for step in range(1, spec.tree_depth):
+        for step in range(1, self.tree.depth):
             width = len(level)
             base = n + (step - 1) * k
             slots = list(range(base, base + width))
-            mask = torch.zeros(width, n + self.scratch_slots(spec), dtype=torch.bool, device=dev)
+            mask = torch.zeros(width, n + scratch, dtype=torch.bool, device=dev)
             mask[:, :n] = True
             for j, node in enumerate(level):
                 ancestors[node] = ancestors[parents[node]] + [slots[j]]
@@ -105,7 +128,7 @@ class Eagle3Proposer:
             best = torch.topk(child_scores.flatten(), k).indices.tolist()
             level = [first + b for b in best]
             level_hidden = out[[b // k for b in best]]
-        chosen = select_nodes(scores, depths, spec.tree_total_tokens - 1)
+        chosen = select_nodes(scores, depths, self.tree.total_tokens - 1)
         index = {c: i + 1 for i, c in enumerate(chosen)}
         tree = DraftTree([seq.pending] + [tokens[c] for c in chosen],
                          [-1] + [index.get(parents[c], 0) for c in chosen],
@@ -113,20 +136,27 @@ class Eagle3Proposer:
         return Proposal(tree, frontier=n)
 
 
+@dataclass(frozen=True, eq=False)
 class DFlashProposer:
-    name = "dflash"
+    name: ClassVar[str] = DFLASH
+    model: DFlash
+    pool: KVPool
+    target: Target
+    cols: torch.Tensor            # the drafter's feature columns inside the engine's union capture
 
-    def __init__(self, model: DFlashDrafter, pool: KVPool, target: TargetModel, union: tuple[int, ...]) -> None:
-        self.model, self.pool, self.target = model, pool, target
-        self.capture_layers = model.config.capture_layers
-        self.block_size = model.config.block_size
-        self.cols = _columns(self.capture_layers, union, target.config.hidden_size).to(pool.k.device)
+    @classmethod
+    def create(cls, model: DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> "DFlashProposer":
+        return cls(model, pool, target, _columns(model, target, union, pool))
 
-    def scratch_slots(self, spec: SpecConfig) -> int:
+    @property
+    def draft_block_len(self) -> int:
+        return self.model.config.draft_block_len
+
+    def scratch_slots(self) -> int:
         return 0   # the block's own K/V never enter the pool
 
-    def max_tree_tokens(self, spec: SpecConfig) -> int:
-        return self.block_size
+    def max_tree_tokens(self) -> int:
+        return self.draft_block_len
 
     def backlog(self, seq: Sequence) -> int:
         return max(0, seq.num_committed - seq.frontiers.get(self.name, 0))
@@ -145,18 +175,19 @@ class DFlashProposer:
 
     def block_embeddings(self, root: int) -> torch.Tensor:
         """[B, H]: the root token's embedding, then the mask token's (target row, or the drafter's own)."""
-        embed = self.target.embed_tokens
-        mask_id = self.model.config.mask_token_id
-        dev = embed.weight.device
+        embed, dev = self.target.embed, self.pool.k.device
         root_e = embed(torch.tensor([root], device=dev))
         mask_e = (self.model.mask_embedding.to(root_e.dtype)[None] if self.model.mask_embedding is not None
-                  else embed(torch.tensor([mask_id], device=dev)))
-        return torch.cat([root_e, mask_e.expand(self.block_size - 1, -1)])
+                  else embed(torch.tensor([self.model.config.mask_token_id], device=dev)))
+        return torch.cat([root_e, mask_e.expand(self.draft_block_len - 1, -1)])
 
     @torch.inference_mode()
-    def propose(self, seq: Sequence, spec: SpecConfig) -> Proposal:
+    def propose(self, seq: Sequence) -> Proposal:
         n, dev = seq.num_committed, self.pool.k.device
-        hidden = self.model(self.block_embeddings(seq.pending), torch.arange(n, n + self.block_size, device=dev),
+        hidden = self.model(self.block_embeddings(seq.pending), torch.arange(n, n + self.draft_block_len, device=dev),
                             self.pool.k, self.pool.v, seq.slots(0, n).to(dev))
-        drafts = self.target.lm_head(hidden[1:]).argmax(-1).tolist()
+        drafts = self.target.logits(hidden[1:]).argmax(-1).tolist()
         return Proposal(DraftTree.chain(seq.pending, drafts), frontier=n)
+
+
+PROPOSERS = {EAGLE3: Eagle3Proposer, DFLASH: DFlashProposer}   # the drafter registry: name -> proposer type

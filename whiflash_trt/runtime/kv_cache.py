@@ -6,9 +6,11 @@ a sequence lives at physical slot block_table[i // block_size] * block_size + i 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from whiflash_trt.config import CacheConfig
 from whiflash_trt.errors import WhiflashError
 
 
@@ -38,6 +40,18 @@ class KVLayout:
         from whiflash_trt.config import dtype_name
         return {"name": self.name, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "dtype": dtype_name(self.dtype)}
+
+
+class LayerShape(Protocol):
+    """What a model's config tells its KV pool (ModelConfig, Eagle3Config, DFlashConfig)."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_layouts(configs: dict[str, LayerShape], dtype: torch.dtype) -> list[KVLayout]:
+    """One pool layout per model: pool name -> that model's config."""
+    return [KVLayout(name, c.num_layers, c.num_kv_heads, c.head_dim, dtype) for name, c in configs.items()]
 
 
 def num_blocks_for_budget(budget_bytes: int, block_size: int, layouts: list[KVLayout]) -> int:
@@ -104,3 +118,14 @@ class KVPool:
         # Gather first: src and dst ranges may overlap.
         self.k[:, dst] = self.k[:, src].clone()
         self.v[:, dst] = self.v[:, src].clone()
+
+
+class KVCache:
+    """The allocator and every model's pool, sized together: each block id has a block in every pool."""
+
+    def __init__(self, layouts: list[KVLayout], cache: CacheConfig, device: torch.device | str = "cpu") -> None:
+        self.block_size = cache.block_size
+        self.bytes_per_block_id = sum(layout.bytes_per_block(cache.block_size) for layout in layouts)
+        num_blocks = num_blocks_for_budget(cache.memory_budget_bytes, cache.block_size, layouts)
+        self.allocator = BlockAllocator(num_blocks)
+        self.pools = {layout.name: KVPool(layout, num_blocks, cache.block_size, device) for layout in layouts}

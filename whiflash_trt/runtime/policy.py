@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from whiflash_trt.config import AUTO, SpecConfig
+from whiflash_trt.config import AR, AUTO, DFLASH, EAGLE3, WHIFLASH, SpecConfig
 
 
 def default_mode(drafters: set[str]) -> str:
     """Both drafters routed per round, else the one drafter, else target-only."""
-    if {"eagle3", "dflash"} <= drafters:
-        return "whiflash"
-    return "eagle3" if "eagle3" in drafters else "dflash" if "dflash" in drafters else "ar"
+    if {EAGLE3, DFLASH} <= drafters:
+        return WHIFLASH
+    return EAGLE3 if EAGLE3 in drafters else DFLASH if DFLASH in drafters else AR
 
 
 def resolve_spec(spec: SpecConfig, drafters: set[str], has_router_weights: bool) -> SpecConfig:

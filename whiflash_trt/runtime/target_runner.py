@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from whiflash_trt.models.target import TargetModel, TargetOutput
+from whiflash_trt.models.contracts import Target, TargetOutput
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
 
 
 class TargetRunner:
-    def __init__(self, model: TargetModel, pool: KVPool, capture_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: Target, pool: KVPool, capture_layers: tuple[int, ...] = ()) -> None:
         num_layers = model.config.num_layers
         bad = [i for i in capture_layers if not 0 <= i < num_layers]
         if bad:

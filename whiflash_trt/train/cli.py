@@ -118,8 +118,8 @@ def _dflash(sub) -> None:
 def _run_dflash(args) -> None:
     from whiflash_trt.train.dflash_trainer import DFlashOptions, train_dflash
 
-    opts = DFlashOptions(num_layers=args.layers, block_size=args.block_size, gamma=args.gamma, anchors=args.anchors,
-                         loss_vocab_size=args.loss_vocab, prompt_weight=args.prompt_weight)
+    opts = DFlashOptions(num_layers=args.layers, draft_block_len=args.block_size, gamma=args.gamma,
+                         anchors=args.anchors, loss_vocab_size=args.loss_vocab, prompt_weight=args.prompt_weight)
     out = train_dflash(args.data, args.output, _data_target(args), opts, _loop_options(args))
     print(f"DFlash drafter written to {out}")
 
@@ -140,7 +140,7 @@ def _router(sub) -> None:
 def _run_router(args) -> None:
     import json
 
-    from whiflash_trt.config import SpecConfig
+    from whiflash_trt.config import WHIFLASH, SpecConfig
     from whiflash_trt.train.data import TrainingData, read_manifest, read_prompts
     from whiflash_trt.train.evaluate import make_engine
     from whiflash_trt.train.router_trainer import round_costs, train_router
@@ -149,7 +149,7 @@ def _run_router(args) -> None:
     manifest = read_manifest(args.data)
     target, tokenizer = load_target(args.target or manifest["target"], manifest["dtype"])
     engine = make_engine(target, tokenizer, args.eagle3, args.dflash)
-    spec = SpecConfig(mode="whiflash")
+    spec = SpecConfig(mode=WHIFLASH)
     val = read_prompts(args.data / "prompts.val.jsonl")
     picks = [next(r for r in val if r.category == c) for c in sorted({r.category for r in val})][:args.cost_prompts]
     cost = round_costs(engine, [chat_ids(tokenizer, r.messages) for r in picks], spec)
@@ -182,6 +182,9 @@ def _run_eval(args) -> None:
 
     from tqdm import tqdm
 
+    from dataclasses import asdict
+
+    from whiflash_trt.config import EAGLE3, MODE_DRAFTERS, TreeConfig
     from whiflash_trt.train.data import read_manifest, read_prompts
     from whiflash_trt.train.evaluate import default_specs, evaluate, make_engine
     from whiflash_trt.train.target import load_target
@@ -189,14 +192,15 @@ def _run_eval(args) -> None:
     manifest = read_manifest(args.data)
     target, tokenizer = load_target(args.target or manifest["target"], manifest["dtype"])
     engine = make_engine(target, tokenizer, args.eagle3, args.dflash, args.router)
-    tree = None
+    tree = TreeConfig()
     if args.tree:
         try:
-            tree = tuple(int(x) for x in args.tree.split(","))
+            values = [int(x) for x in args.tree.split(",")]
         except ValueError:
-            tree = ()
-        if len(tree) != 3:
+            values = []
+        if len(values) != 3:
             raise SystemExit(f"--tree wants TOP_K,DEPTH,TOTAL_TOKENS (three integers), got {args.tree!r}")
+        tree = TreeConfig(*values)
     specs = default_specs(args.eagle3 is not None, args.dflash is not None, args.router is not None, tree,
                           args.neural_threshold)
     if args.modes:
@@ -214,10 +218,8 @@ def _run_eval(args) -> None:
     report["prompts"] = dict(seen)
     if "whiflash-neural" in specs:
         report["neural_threshold"] = args.neural_threshold if args.neural_threshold is not None else "router file"
-    e3_spec = specs.get("eagle3") or specs.get("whiflash-entropy")
-    if e3_spec is not None:
-        report["tree"] = {"top_k": e3_spec.tree_top_k, "depth": e3_spec.tree_depth,
-                          "total_tokens": e3_spec.tree_total_tokens}
+    if any(EAGLE3 in MODE_DRAFTERS[spec.mode] for spec in specs.values()):
+        report["tree"] = asdict(tree)
     for folder in (args.eagle3, args.dflash):   # snapshots carry their training progress (learning curves)
         if folder is not None and (folder / "progress.json").is_file():
             report["progress"] = json.loads((folder / "progress.json").read_text())

@@ -30,7 +30,7 @@ from whiflash_trt.train.loop import LoopOptions, train_loop
 @dataclass(frozen=True)
 class DFlashOptions:
     num_layers: int = 3
-    block_size: int = 8
+    draft_block_len: int = 8
     gamma: float | None = None          # None: 7 * (B - 1) / 15 (gamma 7 for B = 16)
     anchors: int = 24                   # blocks per sequence per forward
     target_layer_ids: tuple[int, ...] | None = None   # None: the data's captured layers
@@ -40,13 +40,13 @@ class DFlashOptions:
     prompt_weight: float = 0.3         # loss weight of blocks anchored inside the prompt (teacher-forced labels)
 
     def __post_init__(self) -> None:
-        if self.block_size < 2 or self.num_layers < 1 or self.anchors < 1:
-            raise ValueError(f"need block_size >= 2, num_layers >= 1, anchors >= 1; got {self.block_size}, "
+        if self.draft_block_len < 2 or self.num_layers < 1 or self.anchors < 1:
+            raise ValueError(f"need draft_block_len >= 2, num_layers >= 1, anchors >= 1; got {self.draft_block_len}, "
                              f"{self.num_layers}, {self.anchors}")
 
     @property
     def decay(self) -> float:
-        return self.gamma if self.gamma is not None else 7.0 * (self.block_size - 1) / 15.0
+        return self.gamma if self.gamma is not None else 7.0 * (self.draft_block_len - 1) / 15.0
 
 
 def make_drafter(target: TargetModel, layer_ids: tuple[int, ...], opts: DFlashOptions) -> DFlashDrafter:
@@ -56,7 +56,7 @@ def make_drafter(target: TargetModel, layer_ids: tuple[int, ...], opts: DFlashOp
                        num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
                        rms_norm_eps=tc.rms_norm_eps, vocab_size=tc.vocab_size,
                        max_position_embeddings=tc.max_position_embeddings, rope=RopeConfig(theta=tc.rope.theta),
-                       block_size=opts.block_size, mask_token_id=mask_id, target_layer_ids=tuple(layer_ids))
+                       draft_block_len=opts.draft_block_len, mask_token_id=mask_id, target_layer_ids=tuple(layer_ids))
     drafter = DFlashDrafter(cfg, tc.hidden_size, carries_mask_embedding=mask_id >= tc.vocab_size)
     if opts.init_from_target:
         _init_from_target(drafter, target)
@@ -96,12 +96,12 @@ class DFlashLoss:
         # target id -> row of the loss vocabulary (-100: outside it, ignored by the loss)
         self.to_row = torch.full((vocab,), -100, dtype=torch.long)
         self.to_row[self.loss_vocab] = torch.arange(len(self.loss_vocab))
-        b = opts.block_size
+        b = opts.draft_block_len
         self.slot_weight = torch.exp(-(torch.arange(1, b) - 1).float() / opts.decay)   # [B-1]
 
     def block_inputs(self, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """[A * B, H]: each block's root embedding followed by B-1 mask embeddings."""
-        b, h = self.opts.block_size, self.embed.shape[1]
+        b, h = self.opts.draft_block_len, self.embed.shape[1]
         m = self.drafter
         mask_e = (m.mask_embedding if m.mask_embedding is not None
                   else self.embed[m.config.mask_token_id])
@@ -111,7 +111,7 @@ class DFlashLoss:
 
     def forward_blocks(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """-> [A, B, H] final-norm hidden of every block slot."""
-        m, b = self.drafter, self.opts.block_size
+        m, b = self.drafter, self.opts.draft_block_len
         t, a = feats.shape[0], len(anchors)
         ctx = m.hidden_norm(m.fc(feats))                                  # [T, H]
         pos_ctx = torch.arange(t)
@@ -166,7 +166,7 @@ class DFlashLoss:
         anchors = self.sample_anchors(seq, generator)
         if len(anchors) == 0:
             return torch.zeros(()), 0, {}
-        b, t = self.opts.block_size, len(seq.tokens)
+        b, t = self.opts.draft_block_len, len(seq.tokens)
         hidden = self.forward_blocks(seq.features[:, self.cols].float(), seq.tokens, anchors)
         label_pos = anchors[:, None] + torch.arange(1, b)           # [A, B-1]
         valid = label_pos < t

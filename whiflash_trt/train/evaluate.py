@@ -12,23 +12,18 @@ from pathlib import Path
 
 import torch
 
-from whiflash_trt.config import CacheConfig, GenerationConfig, SpecConfig
-from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
+from whiflash_trt.config import AR, DFLASH, EAGLE3, WHIFLASH, CacheConfig, GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.models.target import TargetModel
 from whiflash_trt.runtime.engine import Engine
-from whiflash_trt.spec.router import load_router
+from whiflash_trt.runtime.loading import checkpoint_parts
 from whiflash_trt.train.sources import PromptRecord
 from whiflash_trt.train.target import chat_ids
 
 
 def make_engine(target: TargetModel, tokenizer, eagle3: Path | None = None, dflash: Path | None = None,
                 router: Path | None = None, kv_budget_mb: int = 256) -> Engine:
-    cfg = target.config
-    e3 = load_eagle3(eagle3, cfg) if eagle3 is not None else None
-    df = load_dflash(dflash, cfg) if dflash is not None else None
-    rt = load_router(router, cfg.hidden_size) if router is not None else None
-    cache = CacheConfig(memory_budget_bytes=kv_budget_mb * 2**20)
-    return Engine(target, tokenizer, None, cache, "cpu", e3, df, rt)
+    return Engine(checkpoint_parts(target, tokenizer, "cpu", eagle3, dflash, router),
+                  CacheConfig(memory_budget_bytes=kv_budget_mb * 2**20))
 
 
 def evaluate(engine: Engine, prompts: list[PromptRecord], specs: dict[str, SpecConfig], max_new_tokens: int = 96,
@@ -45,7 +40,7 @@ def evaluate(engine: Engine, prompts: list[PromptRecord], specs: dict[str, SpecC
             start = time.perf_counter()
             result = engine.generate(ids, gen, spec=spec)
             seconds = time.perf_counter() - start
-            if spec.mode == "ar":
+            if spec.mode == AR:
                 reference = result.token_ids
             elif reference is not None and result.token_ids != reference:
                 lossless = False
@@ -76,22 +71,20 @@ def evaluate(engine: Engine, prompts: list[PromptRecord], specs: dict[str, SpecC
     return out
 
 
-def default_specs(has_eagle3: bool, has_dflash: bool, has_router: bool,
-                  tree: tuple[int, int, int] | None = None,
+def default_specs(has_eagle3: bool, has_dflash: bool, has_router: bool, tree: TreeConfig = TreeConfig(),
                   neural_threshold: float | None = None) -> dict[str, SpecConfig]:
-    """One SpecConfig per mode the given parts allow; `tree` = (top_k, depth, total_tokens) of the EAGLE-3 tree
-    (default: the runtime's); `neural_threshold` overrides the router file's calibrated one."""
-    t = dict(zip(("tree_top_k", "tree_depth", "tree_total_tokens"), tree)) if tree else {}
-    specs = {"ar": SpecConfig(mode="ar")}
+    """One SpecConfig per mode the given parts allow; `tree` shapes EAGLE-3's drafts; `neural_threshold` overrides
+    the router file's calibrated one."""
+    specs = {AR: SpecConfig(mode=AR)}
     if has_eagle3:
-        specs["eagle3"] = SpecConfig(mode="eagle3", **t)
+        specs[EAGLE3] = SpecConfig(mode=EAGLE3, tree=tree)
     if has_dflash:
-        specs["dflash"] = SpecConfig(mode="dflash")
+        specs[DFLASH] = SpecConfig(mode=DFLASH)
     if has_eagle3 and has_dflash:
-        specs["whiflash-entropy"] = SpecConfig(mode="whiflash", router="entropy", **t)
+        specs["whiflash-entropy"] = SpecConfig(mode=WHIFLASH, router="entropy", tree=tree)
         if has_router:
-            specs["whiflash-neural"] = SpecConfig(mode="whiflash", router="neural", threshold=neural_threshold,
-                                                  **t)
+            specs["whiflash-neural"] = SpecConfig(mode=WHIFLASH, router="neural", threshold=neural_threshold,
+                                                  tree=tree)
     return specs
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from whiflash_trt.config import SpecConfig
+from whiflash_trt.config import DFLASH, EAGLE3, SpecConfig
 from whiflash_trt.runtime.engine import Engine
-from whiflash_trt.runtime.sequence import Sequence
-from whiflash_trt.spec.router import EntropyRouter, RouteSignal, RouterMLP, entropy_of, save_router
+from whiflash_trt.spec.router import EntropyRouter, RouteSignal, RouterMLP, entropy_of
+from whiflash_trt.spec.router_file import save_router
 from whiflash_trt.spec.tree import DraftTree
 from whiflash_trt.train.data import TrainingData
 
@@ -60,10 +60,9 @@ def measure_states(engine: Engine, data: TrainingData, spec: SpecConfig, max_sta
     """Acceptance length of both drafters at the response positions of every router sequence: all of them, or,
     under `max_states`, one contiguous window per sequence (at a seeded random offset) so the states spread over
     every sequence and `simulate` can still walk each window position by position."""
-    e3, df = engine.proposers["eagle3"], engine.proposers["dflash"]
-    horizon = max(df.block_size - 1, spec.tree_depth)
+    e3, df = engine.proposers[EAGLE3].with_tree(spec.tree), engine.proposers[DFLASH]
+    horizon = max(df.draft_block_len - 1, spec.tree.depth)
     records: list[StateRecord] = []
-    head = engine.target.lm_head
     spans = {k: (s.prompt_len, len(s.tokens) - 1 - horizon) for k, s in ((k, data[k]) for k in range(len(data)))}
     spans = {k: (first, last) for k, (first, last) in spans.items() if last > first}
     total = sum(last - first for first, last in spans.values())
@@ -73,33 +72,28 @@ def measure_states(engine: Engine, data: TrainingData, spec: SpecConfig, max_sta
             start = first + rng.randint(0, max(0, last - first - width))
             spans[k] = (start, min(last, start + width))
     bar = tqdm(total=min(total, max_states or total), desc="router states", disable=not progress, mininterval=10)
+    dtype = engine.target.dtype
     for k, (first, last) in spans.items():
         s = data[k]
         tokens = s.tokens.tolist()
-        t = len(tokens)
-        seq = Sequence(tokens[:first], engine.allocator, engine.block_size)
-        try:
-            seq.reserve(t + spec.tree_total_tokens + spec.tree_depth * spec.tree_top_k)
-            seq.commit(tokens[:first], tokens[first], s.features[:first].to(engine.target.embed_tokens.weight.dtype),
-                       {"eagle3": 0, "dflash": 0})
+        num_slots = len(tokens) + spec.tree.total_tokens + spec.tree.depth * spec.tree.top_k
+        with engine.scratch_sequence(tokens[:first], num_slots) as seq:
+            seq.commit(tokens[:first], tokens[first], s.features[:first].to(dtype), {EAGLE3: 0, DFLASH: 0})
             for n in range(first, last):
                 if n > seq.num_committed:
-                    seq.commit(tokens[seq.num_committed:n], tokens[n],
-                               s.features[seq.num_committed:n].to(engine.target.embed_tokens.weight.dtype),
+                    seq.commit(tokens[seq.num_committed:n], tokens[n], s.features[seq.num_committed:n].to(dtype),
                                dict(seq.frontiers))
                 cont = tokens[n + 1:n + 1 + horizon]
                 fe, fd = e3.catch_up(seq), df.catch_up(seq)
-                al_e = accepted_length(e3.propose(seq, spec).tree, cont)
-                al_d = accepted_length(df.propose(seq, spec).tree, cont)
-                seq.frontiers.update({"eagle3": fe, "dflash": fd})
+                al_e = accepted_length(e3.propose(seq).tree, cont)
+                al_d = accepted_length(df.propose(seq).tree, cont)
+                seq.frontiers.update({EAGLE3: fe, DFLASH: fd})
                 hidden = s.hidden[n - 1]
-                records.append(StateRecord(k, n, al_e, al_d, entropy_of(head(hidden[None].to(head.weight.dtype))[0]),
-                                           hidden.float()))
+                entropy = entropy_of(engine.target.logits(hidden[None].to(dtype))[0])
+                records.append(StateRecord(k, n, al_e, al_d, entropy, hidden.float()))
                 bar.update(1)
                 if max_states is not None and len(records) >= max_states:
                     return records
-        finally:
-            seq.free()
     bar.close()
     return records
 
@@ -197,12 +191,10 @@ def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, m
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     out = {}
-    for name in ("eagle3", "dflash"):
+    for name in (EAGLE3, DFLASH):
         secs, rounds = 0.0, 0
         for ids in prompt_ids:
-            st = engine.generate(ids, gen, spec=SpecConfig(mode=name, tree_top_k=spec.tree_top_k,
-                                                           tree_depth=spec.tree_depth,
-                                                           tree_total_tokens=spec.tree_total_tokens)).stats
+            st = engine.generate(ids, gen, spec=SpecConfig(mode=name, tree=spec.tree)).stats
             secs += sum(st["phase_seconds"].values())
             rounds += st["rounds"]
         out[name] = secs / max(1, rounds)

@@ -1,6 +1,7 @@
 """Execution backends: "torch" (the modules themselves), "onnx" (onnxruntime sessions over the exported graphs),
-"tensorrt" (serialized TensorRT engines built from those graphs). The graph backends hand the engine objects with
-the torch models' call signatures (graph_models), so the round loop and the proposers are the same for all three."""
+"tensorrt" (serialized TensorRT engines built from those graphs). The graph backends hand the engine objects that
+implement the same model contracts as the torch modules (models.contracts, graph_models), so the round loop and the
+proposers are the same for all three."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,19 +38,18 @@ def load_graph_models(engine_dir: Path, manifest: Manifest, backend: str, device
         raise CheckpointError(f"engine {engine_dir} is incomplete: {', '.join(missing)} missing")
     graphs = {name: _open_graph(backend, engine_dir / info["path"], info) for name, info in section["graphs"].items()}
     dtype = parse_dtype(manifest.dtype)
-    target = GraphTarget(manifest.model, graphs, tuple(section["capture_layers"]), dtype, device)
+    target = GraphTarget(manifest.model, graphs, tuple(section["capture_layers"]), dtype)
     # The drafters' configs and their small non-graph tensors (d2t map, DFlash mask row) come from the checkpoints
     # the engine carries anyway; their weights are not used here.
     parts = manifest.components
     eagle3 = dflash = None
     if "eagle3" in parts:
         torch_eagle3 = load_eagle3(engine_dir / parts["eagle3"]["path"], manifest.model)
-        eagle3 = GraphEagle3(torch_eagle3.config, graphs, torch_eagle3.d2t.to(device), dtype)
+        eagle3 = GraphEagle3(torch_eagle3.config, graphs, torch_eagle3.d2t.to(device))
     if "dflash" in parts:
         torch_dflash = load_dflash(engine_dir / parts["dflash"]["path"], manifest.model)
         mask = torch_dflash.mask_embedding
-        dflash = GraphDFlash(torch_dflash.config, graphs, None if mask is None else mask.detach().to(device, dtype),
-                             dtype)
+        dflash = GraphDFlash(torch_dflash.config, graphs, None if mask is None else mask.detach().to(device, dtype))
     return target, eagle3, dflash
 
 

@@ -1,4 +1,4 @@
-"""The target and both drafters over exported graphs, with the call signatures the engine and proposers use.
+"""The target and both drafters over exported graphs, implementing the model contracts (models.contracts).
 
 A graph is any callable `graph(*inputs) -> tuple of tensors` with the inputs and outputs listed in
 whiflash_trt.builder.onnx_export (an onnxruntime session or a TensorRT engine). Graphs never write the KV pools: the
@@ -12,32 +12,20 @@ import torch
 
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.models.contracts import DFlash, Eagle3, Target, TargetOutput, feature_columns
 from whiflash_trt.models.dflash import DFlashConfig
 from whiflash_trt.models.eagle3 import Eagle3Config
-from whiflash_trt.models.target import TargetOutput
 
 Graph = Callable[..., tuple[torch.Tensor, ...]]
 
 
-class _Single:
-    """A one-output graph as a module-like callable (target.lm_head, drafter.fc)."""
-
-    def __init__(self, graph: Graph | None, what: str) -> None:
-        self.graph, self.what = graph, what
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.graph is None:
-            raise WhiflashError(f"this engine has no {self.what} graph (it was built without drafters)")
-        return self.graph(x)[0]
-
-
-class GraphEmbedding(_Single):
-    """target.embed_tokens: ids [T] -> [T, H]. `weight` is an empty [0, H] tensor that only tells the engine the
-    dtype and device (the table itself lives in the graph)."""
-
-    def __init__(self, graph: Graph | None, hidden_size: int, dtype: torch.dtype, device) -> None:
-        super().__init__(graph, "target_embed")
-        self.weight = torch.empty(0, hidden_size, dtype=dtype, device=device)
+def _single(graph: Graph | None, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A one-output graph as a function; a graph the engine was built without fails when called."""
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if graph is None:
+            raise WhiflashError(f"this engine has no {what} graph (it was built without drafters)")
+        return graph(x)[0]
+    return call
 
 
 def _scatter(k_cache, v_cache, write_slots, k_new, v_new) -> None:
@@ -45,14 +33,24 @@ def _scatter(k_cache, v_cache, write_slots, k_new, v_new) -> None:
     v_cache[:, write_slots] = v_new
 
 
-class GraphTarget:
+class GraphTarget(Target):
     def __init__(self, config: ModelConfig, graphs: dict[str, Graph], capture_layers: tuple[int, ...],
-                 dtype: torch.dtype, device) -> None:
-        self.config = config
+                 dtype: torch.dtype) -> None:
+        self.config, self._dtype = config, dtype
         self.step = graphs["target_step"]
         self.capture_layers = capture_layers    # the layers target_step captures, in this order
-        self.embed_tokens = GraphEmbedding(graphs.get("target_embed"), config.hidden_size, dtype, device)
-        self.lm_head = _Single(graphs.get("target_lm_head"), "target_lm_head")
+        self._embed = _single(graphs.get("target_embed"), "target_embed")
+        self._lm_head = _single(graphs.get("target_lm_head"), "target_lm_head")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._embed(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(hidden)
 
     def __call__(self, input_ids, positions, k_cache, v_cache, write_slots, read_slots, attn_mask,
                  capture_layers: tuple[int, ...] = (), logits_indices=None) -> TargetOutput:
@@ -68,34 +66,15 @@ class GraphTarget:
             return None
         if layers == self.capture_layers:
             return captured[0]
-        missing = [i for i in layers if i not in self.capture_layers]
-        if missing:
-            raise WhiflashError(f"target layers {missing} were not captured when this engine's graphs were exported "
-                                f"(captured: {list(self.capture_layers)})")
-        h = self.config.hidden_size
-        cols = torch.cat([torch.arange(self.capture_layers.index(i) * h, (self.capture_layers.index(i) + 1) * h)
-                          for i in layers])
+        cols = feature_columns(layers, self.capture_layers, self.config.hidden_size)
         return captured[0][:, cols.to(captured[0].device)]
 
 
-class _GraphDrafter:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def to(self, device=None, dtype: torch.dtype | None = None):
-        """The engine moves drafters to its device and dtype; graphs are fixed at export, so only check."""
-        if dtype is not None and dtype != self.dtype:
-            raise WhiflashError(f"drafter graphs were exported in {self.dtype}, the engine runs {dtype}; rebuild "
-                                f"the engine with that --dtype")
-        return self
-
-
-class GraphEagle3(_GraphDrafter):
-    def __init__(self, config: Eagle3Config, graphs: dict[str, Graph], d2t: torch.Tensor, dtype: torch.dtype):
-        super().__init__(dtype)
+class GraphEagle3(Eagle3):
+    def __init__(self, config: Eagle3Config, graphs: dict[str, Graph], d2t: torch.Tensor) -> None:
         self.config, self.d2t = config, d2t
         self.step, self.head, self.prefill = graphs["eagle3_step"], graphs["eagle3_head"], graphs["eagle3_kv_prefill"]
-        self.fc = _Single(graphs["eagle3_fc"], "eagle3_fc")
+        self.fc = _single(graphs["eagle3_fc"], "eagle3_fc")
 
     def __call__(self, embeds, hidden, positions, k_cache, v_cache, write_slots, read_slots, attn_mask):
         out, k_new, v_new = self.step(embeds, hidden, positions, k_cache, v_cache, write_slots, read_slots, attn_mask)
@@ -113,10 +92,8 @@ class GraphEagle3(_GraphDrafter):
         return k, v
 
 
-class GraphDFlash(_GraphDrafter):
-    def __init__(self, config: DFlashConfig, graphs: dict[str, Graph], mask_embedding: torch.Tensor | None,
-                 dtype: torch.dtype) -> None:
-        super().__init__(dtype)
+class GraphDFlash(DFlash):
+    def __init__(self, config: DFlashConfig, graphs: dict[str, Graph], mask_embedding: torch.Tensor | None) -> None:
         self.config, self.mask_embedding = config, mask_embedding
         self.block, self.prefill = graphs["dflash_block"], graphs["dflash_kv_prefill"]
 

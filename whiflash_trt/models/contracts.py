@@ -1,0 +1,91 @@
+"""What the engine needs of a target and of each drafter, whatever runs them: the torch modules (models.target,
+models.eagle3, models.dflash) and the exported graphs (runtime.backends.graph_models) both subclass these. Members
+a torch module holds as a submodule or parameter (fc, mask_embedding) are annotations, not methods: a method here
+would shadow the module's attribute.
+
+Shapes: T new tokens, S keys they may read, H hidden size, F captured feature width, L a model's layers. K/V pools are
+[L, num_slots, kv_heads, head_dim]; every step writes its new K/V at `write_slots` of the pools it is given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+
+if TYPE_CHECKING:   # the models implement these contracts, so they import this module
+    from whiflash_trt.config import ModelConfig
+    from whiflash_trt.models.dflash import DFlashConfig
+    from whiflash_trt.models.eagle3 import Eagle3Config
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor          # [len(logits_indices), vocab]
+    hidden: torch.Tensor          # [len(logits_indices), hidden] final-norm output at those rows
+    captured: torch.Tensor | None  # [T, len(capture_layers) * hidden] outputs of the requested layers, concatenated
+
+
+def feature_columns(layers: tuple[int, ...], captured: tuple[int, ...], hidden_size: int) -> torch.Tensor:
+    """Columns of the features of `layers` inside a capture of the `captured` layers (TargetOutput.captured:
+    [T, len(captured) * H], concatenated in `captured` order) -> [len(layers) * H] int64."""
+    missing = [i for i in layers if i not in captured]
+    if missing:
+        raise ValueError(f"target layers {missing} are not among the captured layers {list(captured)}")
+    return torch.cat([torch.arange(captured.index(i) * hidden_size, (captured.index(i) + 1) * hidden_size)
+                      for i in layers])
+
+
+class Target(Protocol):
+    """The target model: one forward for prefill, decode and chain or tree verification."""
+    config: ModelConfig
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Its activations' dtype, which every KV pool and drafter of the engine shares."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, write_slots: torch.Tensor, read_slots: torch.Tensor, attn_mask: torch.Tensor,
+                 capture_layers: tuple[int, ...] = (), logits_indices: torch.Tensor | None = None) -> TargetOutput:
+        """ids, positions, write_slots [T]; read_slots [S]; attn_mask [T, S] bool; logits at `logits_indices`
+        (None = every row); outputs of `capture_layers` concatenated in TargetOutput.captured."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, H] the target's token embeddings (the drafters' inputs)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] final-norm hidden states -> [T, vocab] through the target's lm_head."""
+
+
+class Eagle3(Protocol):
+    """EAGLE-3: fc over three target layers, one decoder layer stepped through the draft tree, a draft-vocab head."""
+    config: Eagle3Config
+    fc: Callable[[torch.Tensor], torch.Tensor]   # [T, 3 * target H] captured features -> [T, H] g
+
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, write_slots: torch.Tensor, read_slots: torch.Tensor,
+                 attn_mask: torch.Tensor) -> torch.Tensor:
+        """One draft step: embeds, hidden [T, H] (g: fc(features) or the previous step's output) -> [T, H]."""
+
+    def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, draft_vocab] log-probabilities."""
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids, same shape."""
+
+    def kv_only(self, feats: torch.Tensor, embeds: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context K/V of positions whose (feature, next token) pairs are known: [1, T, kv, D] each."""
+
+
+class DFlash(Protocol):
+    """DFlash: a few layers drafting a whole block at once over context K/V injected from target features."""
+    config: DFlashConfig
+    mask_embedding: torch.Tensor | None   # [H] the mask token's row when the target's table has none
+
+    def __call__(self, block_embeds: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, read_slots: torch.Tensor) -> torch.Tensor:
+        """block_embeds [B, H], positions [B], read_slots [N] context -> [B, H] final-norm hidden states."""
+
+    def kv_only(self, feats: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context K/V of backlog positions from their target features: [L, T, kv, D] each."""

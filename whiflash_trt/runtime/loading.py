@@ -1,0 +1,88 @@
+"""Loading what an Engine runs: from an engine directory (any backend) or from checkpoints beside a loaded target
+(whiflash-train). Either way the result is one EngineParts record, the Engine's only input besides its KV budget."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from whiflash_trt.config import DFLASH, EAGLE3, CacheConfig, parse_dtype
+from whiflash_trt.errors import CheckpointError, WhiflashError
+from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest
+from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
+from whiflash_trt.models.contracts import DFlash, Eagle3, Target
+from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
+from whiflash_trt.runtime.backends import engine_backend, load_graph_models
+from whiflash_trt.spec.router_file import RouterFile, load_router
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """The models an Engine runs (on one device, in the target's dtype), its tokenizer and router weights."""
+    target: Target
+    tokenizer: Any
+    eagle3: Eagle3 | None = None
+    dflash: DFlash | None = None
+    router: RouterFile | None = None
+    manifest: Manifest | None = None    # the engine directory's; None for parts loaded from checkpoints
+
+    @property
+    def drafters(self) -> dict[str, Eagle3 | DFlash]:
+        return {name: m for name, m in ((EAGLE3, self.eagle3), (DFLASH, self.dflash)) if m is not None}
+
+
+def load_tokenizer(engine_dir: Path):
+    from transformers import AutoTokenizer
+
+    folder = engine_dir / TOKENIZER_DIR
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"engine {engine_dir} has no tokenizer ({folder}/tokenizer.json is missing)")
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def checkpoint_parts(target: Target, tokenizer, device: str = "cpu", eagle3: Path | None = None,
+                     dflash: Path | None = None, router: Path | None = None,
+                     manifest: Manifest | None = None) -> EngineParts:
+    """A torch target with the drafters and router weights read from their checkpoint paths."""
+    cfg, dtype = target.config, target.dtype
+    return EngineParts(target, tokenizer,
+                       None if eagle3 is None else load_eagle3(eagle3, cfg).to(device, dtype),
+                       None if dflash is None else load_dflash(dflash, cfg).to(device, dtype),
+                       None if router is None else load_router(router, cfg.hidden_size), manifest)
+
+
+def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
+               backend: str | None = None) -> EngineParts:
+    """`backend`: None = the one the engine was built for; "torch" runs the modules of any engine."""
+    manifest = Manifest.read(engine_dir)
+    backend = backend or engine_backend(manifest)
+    parts = manifest.components
+    paths = {name: engine_dir / parts[name]["path"] if name in parts else None for name in (EAGLE3, DFLASH, "router")}
+    if backend != "torch":
+        if dtype is not None and dtype != manifest.dtype:
+            raise WhiflashError(f"the {backend} graphs were built in {manifest.dtype}; rebuild for {dtype}")
+        target, eagle3, dflash = load_graph_models(engine_dir, manifest, backend, device)
+        router = None if paths["router"] is None else load_router(paths["router"], manifest.model.hidden_size)
+        return EngineParts(target, load_tokenizer(engine_dir), eagle3, dflash, router, manifest)
+    weights = engine_dir / TARGET_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"engine {engine_dir} is incomplete: {TARGET_WEIGHTS} is missing")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {weights}: {e} (file corrupt or truncated?)") from None
+    torch_dtype = parse_dtype(dtype or manifest.dtype)
+    if device == "cpu" and torch_dtype == torch.float16:
+        raise WhiflashError("fp16 is not supported on CPU; use bf16 or fp32 (fp16 is for CUDA)")
+    target = instantiate_target(Checkpoint(manifest.model, state, str(weights)), torch_dtype, device)
+    return checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],
+                            paths["router"], manifest)
+
+
+def cache_config(manifest: Manifest, kv_budget_bytes: int | None) -> CacheConfig:
+    budget = CacheConfig.memory_budget_bytes if kv_budget_bytes is None else kv_budget_bytes
+    return CacheConfig(block_size=manifest.block_size, memory_budget_bytes=budget)
