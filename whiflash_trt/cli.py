@@ -95,7 +95,7 @@ def build_main(argv: list[str] | None = None) -> int:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from whiflash_trt.serve import LOOPBACK
+    from whiflash_trt.serving.server import LOOPBACK
 
     p = argparse.ArgumentParser(
         prog="whiflash-serve", description="Start Triton Inference Server (nvidia-pytriton's bundled binary) on a "
@@ -113,7 +113,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    from whiflash_trt.serve import ServerOptions, check_python, exec_server
+    from whiflash_trt.serving.server import ServerOptions, check_python, exec_server
 
     args = serve_parser().parse_args(argv)
     try:

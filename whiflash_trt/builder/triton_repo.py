@@ -4,7 +4,7 @@ The layout follows TensorRT-LLM's convention, so clients written for it (text_in
 text_output, model `ensemble`) work unchanged:
 
     REPO/whiflash/config.pbtxt    decoupled Python-backend model: text in, text out (streamed or whole)
-    REPO/whiflash/1/model.py      a copy of whiflash_trt/builder/triton_model.py; loads the engine named in the config
+    REPO/whiflash/1/model.py      a copy of whiflash_trt/serving/triton_model.py; loads the engine named in the config
     REPO/ensemble/config.pbtxt    the model clients call; one step that forwards every input and output to `whiflash`
     REPO/ensemble/1/              (empty: Triton wants a version folder)
 
@@ -18,11 +18,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from whiflash_trt import serving
 from whiflash_trt.manifest import Manifest
 
 MODEL_NAME = "whiflash"
 ENSEMBLE_NAME = "ensemble"
-MODEL_TEMPLATE = Path(__file__).with_name("triton_model.py")
+MODEL_TEMPLATE = Path(serving.__file__).with_name("triton_model.py")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from whiflash_trt.models.contracts import feature_columns
 from whiflash_trt.train.generate import BatchedGenerator, Finished
 from whiflash_trt.train.sources import CATEGORIES, PromptRecord, build_prompts, require_prompt_packages
 from whiflash_trt.train.target import chat_ids, eos_ids, load_target
@@ -250,12 +251,7 @@ class TrainingData:
                             int(s["prompt_lens"][j]), bool(s["greedy"][j]))
 
     def feature_columns(self, layers: tuple[int, ...]) -> torch.Tensor:
-        missing = [l for l in layers if l not in self.capture_layers]
-        if missing:
-            raise ValueError(f"data in {self.folder} has features of layers {self.capture_layers}, not {missing}")
-        h = self.hidden_size
-        return torch.cat([torch.arange(self.capture_layers.index(l) * h, (self.capture_layers.index(l) + 1) * h)
-                          for l in layers])
+        return feature_columns(layers, self.capture_layers, self.hidden_size)
 
 
 def token_counts(data: TrainingData, vocab_size: int, prompt_weight: int = 1) -> torch.Tensor:
