@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from whiflash_trt.config import WHIFLASH
 from whiflash_trt.runtime.stats import PHASES
 
 
@@ -112,7 +113,7 @@ def threshold_sweep(records: list[dict], modes) -> dict:
     ar = {r["prompt_id"]: r for r in ok(records) if r["mode"] == "ar"}
     out: dict[str, list[dict]] = {}
     for m in modes:
-        if m.spec.mode != "whiflash":
+        if m.spec.mode != WHIFLASH:
             continue
         rs = ok([r for r in records if r["mode"] == m.name])
         if not rs:

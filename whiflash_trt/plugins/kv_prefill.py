@@ -17,8 +17,8 @@ kernel implement exactly this):
     eps                float           RMSNorm epsilon (all norms)
     -> k, v            [L, T, KV, D]   keys after k_norm and RoPE, values; the caller scatters them into its pool
 
-No queries, attention, o_proj, MLP, final norm or LM head: a position's K/V depend only on its own inputs, which is
-why the pass is exact (DESIGN.md section 2).
+No queries, attention, o_proj, MLP, final norm or LM head: a position's K/V depend only on its own inputs (its
+captured target features and, for EAGLE-3, the token paired with it), which is why the pass is exact.
 
 In ONNX graphs and TensorRT the op is ONE node with the same ten inputs (in this order) and two outputs:
 

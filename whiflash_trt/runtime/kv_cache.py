@@ -86,13 +86,6 @@ class BlockAllocator:
             self._refs[b] = 1
         return ids
 
-    def share(self, ids: list[int]) -> None:
-        """Add a reference to blocks already held (prefix sharing)."""
-        for b in ids:
-            if self._refs[b] <= 0:
-                raise ValueError(f"block {b} is not allocated")
-            self._refs[b] += 1
-
     def free(self, ids: list[int]) -> None:
         for b in ids:
             if self._refs[b] <= 0:

@@ -33,10 +33,6 @@ class Sequence:
         return len(self.tokens)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
-
-    @property
     def capacity(self) -> int:
         return len(self.block_table) * self._block_size
 
@@ -82,18 +78,6 @@ class Sequence:
             raise IndexError(f"features of positions [{start}, {end}) are not in the backlog "
                              f"[{self.features_start}, {self.num_committed})")
         return self.features[start - self.features_start:end - self.features_start]
-
-    def rollback(self, n: int) -> None:
-        """Forget the last n committed tokens (a length change; their K/V are simply overwritten later)."""
-        generated = max(0, self.num_committed - self.num_prompt_tokens)
-        if not 0 <= n <= generated:
-            raise ValueError(f"cannot roll back {n} tokens; {generated} generated")
-        del self.tokens[len(self.tokens) - n:]
-        self.pending = None
-        if self.features is not None:
-            self.features = self.features[:max(0, self.num_committed - self.features_start)]
-        for name, frontier in self.frontiers.items():
-            self.frontiers[name] = min(frontier, self.num_committed)
 
     def compaction(self, path: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots to copy so the accepted tree nodes at logical N + path[i] land at N + i (path strictly increasing)."""

@@ -24,16 +24,3 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of [..., vocab] probabilities -> [...] int64."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-
-
-def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """Target-only choice for [..., vocab] logits: argmax when greedy, else a draw from target_probs."""
-    if sampling.greedy:
-        return logits.argmax(-1)
-    return sample(target_probs(logits, sampling), generator)

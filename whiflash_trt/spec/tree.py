@@ -29,10 +29,6 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
-    @property
-    def num_drafts(self) -> int:
-        return len(self.tokens) - 1
-
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in self.tokens]
         for i, p in enumerate(self.parents):
