@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 
 import torch
 
 from whiflash_trt.config import DFLASH, EAGLE3, TreeConfig
+from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
 from whiflash_trt.train.dflash_trainer import DFlashOptions, make_drafter as make_dflash
 from whiflash_trt.train.eagle3_trainer import Eagle3Options, make_drafter as make_eagle3
 from whiflash_trt.train.evaluate import make_engine
@@ -39,8 +41,6 @@ def main() -> None:
     capture = (1, n_layers // 2 - 1, n_layers - 4)
     results = []
     for layers, block in [(1, 8), (2, 8), (3, 8), (2, 16), (4, 16)]:
-        from whiflash_trt.models.drafter_checkpoints import save_dflash
-        import tempfile
         with tempfile.TemporaryDirectory() as d:
             opts = DFlashOptions(num_layers=layers, draft_block_len=block)
             save_dflash(make_dflash(target, capture, opts), d, n_layers)
@@ -58,8 +58,6 @@ def main() -> None:
                         "verify_s": round(verify, 4), "ar_step_s": round(one, 4)})
         print(json.dumps(results[-1]), flush=True)
     vocab = torch.arange(8192)
-    import tempfile
-    from whiflash_trt.models.drafter_checkpoints import save_eagle3
     with tempfile.TemporaryDirectory() as d:
         save_eagle3(make_eagle3(target, vocab, Eagle3Options()), d)
         engine = make_engine(target, tok, eagle3=d)

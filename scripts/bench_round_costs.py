@@ -21,7 +21,7 @@ from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.loading import EngineParts
 
 
-def drafters(target, args):
+def drafters(target, args, dtype):
     h, n = target.hidden_size, target.num_layers
     torch.manual_seed(0)
     eagle = Eagle3Drafter(Eagle3Config(h, target.intermediate_size, target.num_heads, target.num_kv_heads,
@@ -33,7 +33,7 @@ def drafters(target, args):
                                         target.max_position_embeddings, RopeConfig(theta=target.rope.theta),
                                         args.block_size, target.vocab_size,
                                         default_target_layer_ids(n, args.dflash_layers)), h, True)
-    return eagle, dflash
+    return eagle.to(dtype=dtype), dflash.to(dtype=dtype)
 
 
 def per_round(engine, prompt, spec, tokens, repeats):
@@ -72,10 +72,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = Engine.load(default_engine(DEFAULT_CACHE_DIR))
-    eagle, dflash = drafters(base.target.config, args)
-    parts = EngineParts(base.target, base.tokenizer, eagle.to(dtype=base.target.dtype),
-                        dflash.to(dtype=base.target.dtype), manifest=base.manifest)
-    engine = Engine(parts, CacheConfig())
+    eagle, dflash = drafters(base.target.config, args, base.target.dtype)
+    engine = Engine(EngineParts(base.target, base.tokenizer, eagle, dflash, manifest=base.manifest), CacheConfig())
     prompt = engine.encode("Write a Python function that parses a CSV line into a list of fields.", chat=True)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype "
           f"{engine.target.dtype}, prompt {len(prompt)} tokens")

@@ -32,14 +32,47 @@ def hf_model(ckpt, dtype):
     return model.eval()
 
 
-def main() -> None:
+def compare(runner, hf, seq, prompt: list[int], dtype: torch.dtype, args) -> None:
+    """Our target step against transformers' on the same cached context, q = 1, 2, 8, 16 new tokens."""
     from transformers import DynamicCache
 
+    with torch.inference_mode():
+        runner.step(seq, prompt)
+        seq.commit(prompt, None)
+        cache = DynamicCache(config=hf.config)
+        hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    base = None
+    for q in (1, 2, 8, 16):
+        new = prompt[:q]
+
+        def run_ours():
+            runner.step(seq, new)
+
+        def run_hf():
+            with torch.inference_mode():
+                hf(torch.tensor([new]), past_key_values=cache, use_cache=True)
+                cache.crop(-q)
+
+        times = {"ours": [], "hf": []}
+        for fn in (run_ours, run_hf):
+            fn()  # warm-up
+        for _ in range(args.rounds):
+            for name, fn in (("ours", run_ours), ("hf", run_hf)):
+                t = time.perf_counter()
+                for _ in range(args.iters):
+                    fn()
+                times[name].append((time.perf_counter() - t) / args.iters * 1000)
+        o, h = statistics.median(times["ours"]), statistics.median(times["hf"])
+        base = base or o
+        print(f"{str(dtype)[6:]:6} {q:2} {o:8.2f} {h:8.2f} {h / o:8.2f}x {o / base:10.2f}x")
+
+
+def main() -> None:
     from whiflash_trt.builder.sources import load_checkpoint, resolve_target
+    from whiflash_trt.config import CacheConfig
     from whiflash_trt.models.checkpoints import instantiate_target
-    from whiflash_trt.runtime.kv_cache import BlockAllocator, KVLayout, KVPool
-    from whiflash_trt.runtime.sequence import Sequence
-    from whiflash_trt.runtime.target_runner import TargetRunner
+    from whiflash_trt.runtime.engine import Engine
+    from whiflash_trt.runtime.loading import EngineParts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=256)
@@ -55,43 +88,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, context {args.context}")
     print("dtype  q   ours ms  hf ms   hf/ours   ours(q)/ours(1)")
     for dtype in (torch.bfloat16, torch.float32):
-        ours = instantiate_target(ckpt, dtype)
+        engine = Engine(EngineParts(instantiate_target(ckpt, dtype), None), CacheConfig())
         hf = hf_model(ckpt, dtype)
-        layout = KVLayout("target", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-        alloc = BlockAllocator(64)
-        runner = TargetRunner(ours, KVPool(layout, 64, 16))
-        seq = Sequence(prompt, alloc, 16)
-        seq.reserve(args.context + 32)
-        with torch.inference_mode():
-            runner.step(seq, prompt)
-            seq.commit(prompt, None)
-            cache = DynamicCache(config=hf.config)
-            hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
-        base = None
-        for q in (1, 2, 8, 16):
-            new = prompt[:q]
-
-            def run_ours():
-                runner.step(seq, new)
-
-            def run_hf():
-                with torch.inference_mode():
-                    hf(torch.tensor([new]), past_key_values=cache, use_cache=True)
-                    cache.crop(-q)
-
-            times = {"ours": [], "hf": []}
-            for fn in (run_ours, run_hf):
-                fn()  # warm-up
-            for _ in range(args.rounds):
-                for name, fn in (("ours", run_ours), ("hf", run_hf)):
-                    t = time.perf_counter()
-                    for _ in range(args.iters):
-                        fn()
-                    times[name].append((time.perf_counter() - t) / args.iters * 1000)
-            o, h = statistics.median(times["ours"]), statistics.median(times["hf"])
-            base = base or o
-            print(f"{str(dtype)[6:]:6} {q:2} {o:8.2f} {h:8.2f} {h / o:8.2f}x {o / base:10.2f}x")
-        alloc.free(seq.block_table)
+        with engine.scratch_sequence(prompt, args.context + 32) as seq:
+            compare(engine.runner, hf, seq, prompt, dtype, args)
 
 
 if __name__ == "__main__":

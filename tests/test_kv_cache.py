@@ -131,7 +131,7 @@ def test_random_traffic_leaks_no_block_and_never_shares_one():
         if op < 0.2 or not live:
             seq = Sequence([1] * rng.randint(1, 20), allocator, BS)
             try:
-                seq.reserve(seq.num_prompt_tokens)
+                seq.reserve(len(seq.prompt_ids))
             except KVCacheExhausted:
                 exhausted += 1
                 continue

@@ -73,7 +73,7 @@ class OracleProposer:
         return seq.num_committed
 
     def propose(self, seq):
-        n_out = seq.num_committed - seq.num_prompt_tokens + 1   # output tokens so far, pending included
+        n_out = seq.num_committed - len(seq.prompt_ids) + 1   # output tokens so far, pending included
         truth = self.reference[n_out:n_out + self.block - 1]
         drafts = [t if self.rng.random() < 0.85 else (t + 1) % 50 for t in truth]
         if not self.tree:

@@ -3,7 +3,6 @@ runtime drafting exactly what the training forward computes."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch

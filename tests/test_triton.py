@@ -15,7 +15,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error

@@ -26,10 +26,6 @@ class BenchMode:
     base: str                     # one of BASE_MODES
     spec: SpecConfig
 
-    @property
-    def is_sweep_point(self) -> bool:
-        return self.name != self.base
-
 
 def base_mode(name: str, template: SpecConfig) -> BenchMode:
     """`template` carries the tree and catch-up settings shared by every mode."""

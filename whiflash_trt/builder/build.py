@@ -50,22 +50,22 @@ class BuildOptions:
 
 def add_components(opts: BuildOptions, cfg, engine_dir: Path) -> tuple[dict, dict]:
     """Validate the drafters and router against the target, copy them into the engine, describe them.
-    -> (manifest components, each drafter's config by name)"""
-    components, configs = {}, {}
+    -> (manifest components, the drafters by name)"""
+    components, drafters = {}, {}
     if opts.ar_drafter is not None:
         drafter = load_eagle3(opts.ar_drafter, cfg)
         c = drafter.config
         components[EAGLE3] = _copy_folder(Path(opts.ar_drafter), engine_dir / EAGLE3) | {
             "capture_layers": list(c.capture_layers), "draft_vocab_size": c.draft_vocab_size,
             "rope_theta": c.rope.theta}
-        configs[EAGLE3] = c
+        drafters[EAGLE3] = drafter
     if opts.dllm_drafter is not None:
         drafter = load_dflash(opts.dllm_drafter, cfg)
         c = drafter.config
         components[DFLASH] = _copy_folder(Path(opts.dllm_drafter), engine_dir / DFLASH) | {
             "capture_layers": list(c.capture_layers), "draft_block_len": c.draft_block_len, "num_layers": c.num_layers,
             "mask_token_id": c.mask_token_id, "carries_mask_embedding": drafter.mask_embedding is not None}
-        configs[DFLASH] = c
+        drafters[DFLASH] = drafter
     if opts.router is not None:
         router = Path(opts.router)
         file = router / "router.safetensors" if router.is_dir() else router
@@ -74,7 +74,7 @@ def add_components(opts: BuildOptions, cfg, engine_dir: Path) -> tuple[dict, dic
         components["router"] = {"path": ROUTER_WEIGHTS, "source": str(file.resolve()),
                                 "sha256": file_sha256([file]), "threshold": loaded.threshold,
                                 "entropy_threshold": loaded.entropy_threshold}
-    return components, configs
+    return components, drafters
 
 
 def _copy_folder(src: Path, dst: Path) -> dict:
@@ -87,16 +87,15 @@ def _copy_folder(src: Path, dst: Path) -> dict:
     return {"path": dst.name, "source": str(src.resolve()), "sha256": file_sha256(files)}
 
 
-def export_graphs(opts: BuildOptions, ckpt: Checkpoint, dtype: torch.dtype, engine_dir: Path) -> dict:
+def export_graphs(ckpt: Checkpoint, drafters: dict, dtype: torch.dtype, engine_dir: Path, show_progress: bool) -> dict:
     """The onnx section: every graph the runtime needs, exported from the models in the engine dtype."""
     from whiflash_trt.builder.onnx_export import export_engine_graphs
 
     target = instantiate_target(ckpt, dtype)
-    eagle3 = load_eagle3(opts.ar_drafter, ckpt.config).to(dtype) if opts.ar_drafter is not None else None
-    dflash = load_dflash(opts.dllm_drafter, ckpt.config).to(dtype) if opts.dllm_drafter is not None else None
+    eagle3, dflash = (None if m is None else m.to(dtype) for m in (drafters.get(EAGLE3), drafters.get(DFLASH)))
     folder = engine_dir / ONNX_DIR
     folder.mkdir()
-    progress = (lambda name: print(f"exporting {name}", flush=True)) if opts.show_progress else None
+    progress = (lambda name: print(f"exporting {name}", flush=True)) if show_progress else None
     section = export_engine_graphs(target, eagle3, dflash, folder, progress)
     for graph in section["graphs"].values():
         graph["path"] = f"{ONNX_DIR}/{graph['path']}"
@@ -147,10 +146,11 @@ def build_engine(opts: BuildOptions) -> Path:
         tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
         cfg = ckpt.config
         components, drafters = add_components(opts, cfg, tmp)
-        layouts = kv_layouts({"target": cfg, **drafters}, dtype)
+        layouts = kv_layouts({"target": cfg, **{name: m.config for name, m in drafters.items()}}, dtype)
         graphs = {}
         if opts.backend != "torch":
-            graphs["onnx"] = export_graphs(opts, Checkpoint(cfg, state, ckpt.source), dtype, tmp)
+            graphs["onnx"] = export_graphs(Checkpoint(cfg, state, ckpt.source), drafters, dtype, tmp,
+                                           opts.show_progress)
         if opts.backend == "tensorrt":
             graphs["tensorrt"] = build_tensorrt_engines(tmp, graphs["onnx"], cfg.max_position_embeddings,
                                                         opts.block_size, opts.show_progress)

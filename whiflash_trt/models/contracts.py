@@ -1,10 +1,7 @@
 """What the engine needs of a target and of each drafter, whatever runs them: the torch modules (models.target,
-models.eagle3, models.dflash) and the exported graphs (runtime.backends.graph_models) both subclass these. Members
-a torch module holds as a submodule or parameter (fc, mask_embedding) are annotations, not methods: a method here
-would shadow the module's attribute.
-
-Shapes: T new tokens, S keys they may read, H hidden size, F captured feature width, L a model's layers. K/V pools are
-[L, num_slots, kv_heads, head_dim]; every step writes its new K/V at `write_slots` of the pools it is given.
+models.eagle3, models.dflash) and the exported graphs (runtime.backends.graph_models) both subclass these. A member a
+torch module holds as a submodule or parameter (fc, mask_embedding) is an annotation: a method would shadow it.
+Shapes: T new tokens, S keys they may read, H hidden size, L a model's layers; K/V pools are [L, slots, kv, D].
 """
 from __future__ import annotations
 
@@ -37,12 +34,13 @@ def feature_columns(layers: tuple[int, ...], captured: tuple[int, ...], hidden_s
 
 
 class Target(Protocol):
-    """The target model: one forward for prefill, decode and chain or tree verification."""
+    """The target model: one forward for prefill, decode and chain or tree verification; `dtype` is its activations'
+    (every KV pool and drafter of an engine shares it); embed: ids [T] -> [T, H]; logits: final-norm hidden [T, H] ->
+    [T, vocab] through its lm_head."""
     config: ModelConfig
 
     @property
-    def dtype(self) -> torch.dtype:
-        """Its activations' dtype, which every KV pool and drafter of the engine shares."""
+    def dtype(self) -> torch.dtype: ...
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, write_slots: torch.Tensor, read_slots: torch.Tensor, attn_mask: torch.Tensor,
@@ -50,42 +48,39 @@ class Target(Protocol):
         """ids, positions, write_slots [T]; read_slots [S]; attn_mask [T, S] bool; logits at `logits_indices`
         (None = every row); outputs of `capture_layers` concatenated in TargetOutput.captured."""
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] -> [T, H] the target's token embeddings (the drafters' inputs)."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] final-norm hidden states -> [T, vocab] through the target's lm_head."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class Eagle3(Protocol):
-    """EAGLE-3: fc over three target layers, one decoder layer stepped through the draft tree, a draft-vocab head."""
+    """EAGLE-3: fc over three target layers, one decoder layer stepped through the draft tree, a draft-vocab head.
+    A step maps embeds and g [T, H] (fc(features), or the previous step's output) to [T, H]; draft_logprobs gives
+    [T, draft_vocab] log-probabilities, to_target_ids maps draft ids to target ids; kv_only gives the context K/V
+    ([1, T, kv, D] each) of positions whose feature and next token are known."""
     config: Eagle3Config
     fc: Callable[[torch.Tensor], torch.Tensor]   # [T, 3 * target H] captured features -> [T, H] g
 
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, write_slots: torch.Tensor, read_slots: torch.Tensor,
-                 attn_mask: torch.Tensor) -> torch.Tensor:
-        """One draft step: embeds, hidden [T, H] (g: fc(features) or the previous step's output) -> [T, H]."""
+                 attn_mask: torch.Tensor) -> torch.Tensor: ...
 
-    def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, draft_vocab] log-probabilities."""
+    def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor: ...
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> target ids, same shape."""
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
 
     def kv_only(self, feats: torch.Tensor, embeds: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context K/V of positions whose (feature, next token) pairs are known: [1, T, kv, D] each."""
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class DFlash(Protocol):
-    """DFlash: a few layers drafting a whole block at once over context K/V injected from target features."""
+    """DFlash: a few layers drafting a whole block at once over context K/V injected from target features. A call
+    maps block_embeds [B, H] at positions [B], over the context at read_slots [N], to final-norm hidden [B, H];
+    kv_only gives the context K/V ([L, T, kv, D] each) of backlog positions from their target features."""
     config: DFlashConfig
     mask_embedding: torch.Tensor | None   # [H] the mask token's row when the target's table has none
 
     def __call__(self, block_embeds: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, read_slots: torch.Tensor) -> torch.Tensor:
-        """block_embeds [B, H], positions [B], read_slots [N] context -> [B, H] final-norm hidden states."""
+                 v_cache: torch.Tensor, read_slots: torch.Tensor) -> torch.Tensor: ...
 
-    def kv_only(self, feats: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context K/V of backlog positions from their target features: [L, T, kv, D] each."""
+    def kv_only(self, feats: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...

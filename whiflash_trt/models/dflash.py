@@ -132,7 +132,6 @@ class DFlashDrafter(nn.Module, DFlash):
         return self.norm(x)
 
     def kv_only(self, feats: torch.Tensor, positions: torch.Tensor):
-        """Context K/V of backlog positions from their target features: [L, T, kv, D] each."""
         attn = [layer.self_attn for layer in self.layers]
         cos, sin = self.rotary(positions, feats.dtype)
         empty = feats.new_empty(feats.shape[0], 0)

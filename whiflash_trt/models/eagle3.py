@@ -99,14 +99,12 @@ class Eagle3Drafter(nn.Module, Eagle3):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, draft_vocab] log-probabilities over the draft vocabulary."""
         return torch.log_softmax(self.lm_head(self.norm(out_hidden)).float(), dim=-1)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
     def kv_only(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor):
-        """Context K/V of positions whose (feature, next token) pairs are known: [1, T, kv, D] each."""
         attn = self.midlayer.self_attn
         cos, sin = self.rotary(positions, feats.dtype)
         empty = feats.new_empty(1, 0)

@@ -5,8 +5,9 @@ mutates the Sequence: both return the frontier they reached and the commit phase
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import ClassVar, Protocol
+import copy
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,43 +24,26 @@ class Proposal:
     frontier: int            # the drafter's frontier after drafting
 
 
-class Proposer(Protocol):
-    """A drafter bound to its KV pool. Pool slots it needs beyond the committed ones: max_tree_tokens() for the
-    verified tree, scratch_slots() for its own draft steps (the engine reserves the larger of the two, plus one)."""
+class Proposer:
+    """A drafter bound to its KV pool and the target. Each has a name, max_tree_tokens() (nodes a round verifies),
+    scratch_slots() (pool slots its draft steps use), backlog(seq), catch_up(seq) -> frontier, propose(seq)."""
     name: ClassVar[str]
 
-    def max_tree_tokens(self) -> int: ...
-
-    def scratch_slots(self) -> int: ...
-
-    def backlog(self, seq: Sequence) -> int:
-        """Positions its cache lags behind the committed ones."""
-
-    def catch_up(self, seq: Sequence) -> int:
-        """KV-only prefill of the backlog -> the frontier reached."""
-
-    def propose(self, seq: Sequence) -> Proposal: ...
+    def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
+        self.model, self.pool, self.target = model, pool, target
+        # its features' columns inside the union capture of every verify
+        self.cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
 
 
-def _columns(model: Eagle3 | DFlash, target: Target, union: tuple[int, ...], pool: KVPool) -> torch.Tensor:
-    return feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
-
-
-@dataclass(frozen=True, eq=False)
-class Eagle3Proposer:
-    name: ClassVar[str] = EAGLE3
+class Eagle3Proposer(Proposer):
+    name = EAGLE3
     model: Eagle3
-    pool: KVPool
-    target: Target
-    cols: torch.Tensor            # the drafter's feature columns inside the engine's union capture
-    tree: TreeConfig = field(default_factory=TreeConfig)
-
-    @classmethod
-    def create(cls, model: Eagle3, pool: KVPool, target: Target, union: tuple[int, ...]) -> "Eagle3Proposer":
-        return cls(model, pool, target, _columns(model, target, union, pool))
+    tree = TreeConfig()      # the request's shape: see with_tree
 
     def with_tree(self, tree: TreeConfig) -> "Eagle3Proposer":
-        return replace(self, tree=tree)
+        shaped = copy.copy(self)
+        shaped.tree = tree
+        return shaped
 
     def scratch_slots(self) -> int:
         return (self.tree.depth - 1) * self.tree.top_k
@@ -136,17 +120,9 @@ class Eagle3Proposer:
         return Proposal(tree, frontier=n)
 
 
-@dataclass(frozen=True, eq=False)
-class DFlashProposer:
-    name: ClassVar[str] = DFLASH
+class DFlashProposer(Proposer):
+    name = DFLASH
     model: DFlash
-    pool: KVPool
-    target: Target
-    cols: torch.Tensor            # the drafter's feature columns inside the engine's union capture
-
-    @classmethod
-    def create(cls, model: DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> "DFlashProposer":
-        return cls(model, pool, target, _columns(model, target, union, pool))
 
     @property
     def draft_block_len(self) -> int:

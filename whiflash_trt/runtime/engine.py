@@ -18,7 +18,7 @@ from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, CacheCo
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.runtime.drafters import PROPOSERS, Proposer
 from whiflash_trt.runtime.kv_cache import KVCache, KVCacheExhausted, kv_layouts
-from whiflash_trt.runtime.loading import EngineParts, cache_config, load_parts
+from whiflash_trt.runtime.loading import EngineParts, load_parts
 from whiflash_trt.runtime.policy import resolve_spec
 from whiflash_trt.runtime.request import Request
 from whiflash_trt.runtime.sequence import Sequence
@@ -50,14 +50,14 @@ class Engine:
         self.target, self.tokenizer, self.manifest = parts.target, parts.tokenizer, parts.manifest
         self.router_file = parts.router
         self.device = torch.device(device)
-        drafters = parts.drafters
+        drafters = {name: m for name, m in ((EAGLE3, parts.eagle3), (DFLASH, parts.dflash)) if m is not None}
         self.kv = KVCache(kv_layouts({"target": self.target.config, **{n: m.config for n, m in drafters.items()}},
                                      self.target.dtype), cache, self.device)
         # Every verify captures the union of the layers both drafters need, whichever drafter drafted.
         union = tuple(sorted({layer for m in drafters.values() for layer in m.config.capture_layers}))
         self.runner = TargetRunner(self.target, self.kv.pools["target"], union)
         self.proposers: dict[str, Proposer] = {
-            name: PROPOSERS[name].create(m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
+            name: PROPOSERS[name](m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
 
     @classmethod
     def load(cls, engine_dir: str | Path, device: str = "cpu", dtype: str | None = None,
@@ -65,7 +65,8 @@ class Engine:
         """Load an engine directory; the KV pools share `kv_budget_bytes` (default CacheConfig's). `backend`:
         None = the one it was built for; "torch" runs the modules of any engine (see runtime.backends)."""
         parts = load_parts(Path(engine_dir), device, dtype, backend)
-        return cls(parts, cache_config(parts.manifest, kv_budget_bytes), device)
+        budget = CacheConfig.memory_budget_bytes if kv_budget_bytes is None else kv_budget_bytes
+        return cls(parts, CacheConfig(parts.manifest.block_size, budget), device)
 
     @contextmanager
     def scratch_sequence(self, token_ids: list[int], num_slots: int | None = None) -> Iterator[Sequence]:

@@ -6,7 +6,6 @@ a sequence lives at physical slot block_table[i // block_size] * block_size + i 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -42,15 +41,8 @@ class KVLayout:
                 "head_dim": self.head_dim, "dtype": dtype_name(self.dtype)}
 
 
-class LayerShape(Protocol):
-    """What a model's config tells its KV pool (ModelConfig, Eagle3Config, DFlashConfig)."""
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-
-def kv_layouts(configs: dict[str, LayerShape], dtype: torch.dtype) -> list[KVLayout]:
-    """One pool layout per model: pool name -> that model's config."""
+def kv_layouts(configs: dict, dtype: torch.dtype) -> list[KVLayout]:
+    """One pool layout per model: pool name -> that model's config (ModelConfig, Eagle3Config or DFlashConfig)."""
     return [KVLayout(name, c.num_layers, c.num_kv_heads, c.head_dim, dtype) for name, c in configs.items()]
 
 
@@ -64,14 +56,14 @@ def num_blocks_for_budget(budget_bytes: int, block_size: int, layouts: list[KVLa
 
 
 class BlockAllocator:
-    """Free list plus reference counts over block ids 0..num_blocks-1."""
+    """Free list over block ids 0..num_blocks-1; each block is held by one sequence at a time."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._refs = [0] * num_blocks
+        self._held: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -82,17 +74,15 @@ class BlockAllocator:
             raise KVCacheExhausted(
                 f"KV cache exhausted: {n} blocks requested, {len(self._free)} of {self.num_blocks} free")
         ids = [self._free.pop() for _ in range(n)]
-        for b in ids:
-            self._refs[b] = 1
+        self._held.update(ids)
         return ids
 
     def free(self, ids: list[int]) -> None:
         for b in ids:
-            if self._refs[b] <= 0:
+            if b not in self._held:
                 raise ValueError(f"block {b} freed twice")
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
+            self._held.remove(b)
+            self._free.append(b)
 
 
 class KVPool:

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from whiflash_trt.config import DFLASH, EAGLE3, CacheConfig, parse_dtype
+from whiflash_trt.config import DFLASH, EAGLE3, parse_dtype
 from whiflash_trt.errors import CheckpointError, WhiflashError
 from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
@@ -29,10 +29,6 @@ class EngineParts:
     dflash: DFlash | None = None
     router: RouterFile | None = None
     manifest: Manifest | None = None    # the engine directory's; None for parts loaded from checkpoints
-
-    @property
-    def drafters(self) -> dict[str, Eagle3 | DFlash]:
-        return {name: m for name, m in ((EAGLE3, self.eagle3), (DFLASH, self.dflash)) if m is not None}
 
 
 def load_tokenizer(engine_dir: Path):
@@ -81,8 +77,3 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
     target = instantiate_target(Checkpoint(manifest.model, state, str(weights)), torch_dtype, device)
     return checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],
                             paths["router"], manifest)
-
-
-def cache_config(manifest: Manifest, kv_budget_bytes: int | None) -> CacheConfig:
-    budget = CacheConfig.memory_budget_bytes if kv_budget_bytes is None else kv_budget_bytes
-    return CacheConfig(block_size=manifest.block_size, memory_budget_bytes=budget)

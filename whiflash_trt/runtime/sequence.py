@@ -16,7 +16,6 @@ class Sequence:
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
         self.prompt_ids: list[int] = list(prompt_ids)
-        self.num_prompt_tokens = len(prompt_ids)
         self.tokens: list[int] = []  # committed (= cached) tokens; prefill commits the prompt
         self.pending: int | None = None
         self.frontiers: dict[str, int] = {}

@@ -37,13 +37,10 @@ def entropy_of(logits: torch.Tensor) -> float:
 
 
 class Router(Protocol):
+    """One per request: choose names the drafter (EAGLE3 or DFLASH) of the next round."""
     threshold: float
 
-    def choose(self, signal: RouteSignal) -> str:
-        """The drafter (EAGLE3 or DFLASH) that drafts the next round."""
-
-    def reset(self) -> None:
-        """Forget what earlier requests left (smoothing state)."""
+    def choose(self, signal: RouteSignal) -> str: ...
 
 
 class EntropyRouter(Router):
@@ -77,9 +74,6 @@ class RouterMLP(nn.Module):
 class NeuralRouter(Router):
     def __init__(self, mlp: RouterMLP, threshold: float) -> None:
         self.mlp, self.threshold = mlp, threshold
-
-    def reset(self) -> None:
-        pass
 
     def predict(self, hidden: torch.Tensor) -> float:
         with torch.inference_mode():

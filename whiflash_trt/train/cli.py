@@ -180,9 +180,9 @@ def _eval(sub) -> None:
 def _run_eval(args) -> None:
     import json
 
-    from tqdm import tqdm
-
     from dataclasses import asdict
+
+    from tqdm import tqdm
 
     from whiflash_trt.config import EAGLE3, MODE_DRAFTERS, TreeConfig
     from whiflash_trt.train.data import read_manifest, read_prompts

@@ -10,8 +10,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from whiflash_trt.config import AR, DFLASH, EAGLE3, WHIFLASH, CacheConfig, GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.models.target import TargetModel
 from whiflash_trt.runtime.engine import Engine
@@ -86,7 +84,3 @@ def default_specs(has_eagle3: bool, has_dflash: bool, has_router: bool, tree: Tr
             specs["whiflash-neural"] = SpecConfig(mode=WHIFLASH, router="neural", threshold=neural_threshold,
                                                   tree=tree)
     return specs
-
-
-def set_threads(n: int) -> None:
-    torch.set_num_threads(n)

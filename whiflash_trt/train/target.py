@@ -1,8 +1,6 @@
 """Load a target (named, Hugging Face folder or GGUF) with its tokenizer for training, as the builder does."""
 from __future__ import annotations
 
-import torch
-
 from whiflash_trt.builder.sources import load_checkpoint, load_tokenizer, resolve_target
 from whiflash_trt.config import parse_dtype
 from whiflash_trt.models.checkpoints import instantiate_target
@@ -29,12 +27,4 @@ def eos_ids(model: TargetModel, tokenizer) -> tuple[int, ...]:
     if end is not None:
         ids.add(end)
     return tuple(sorted(ids))
-
-
-def freeze(model: TargetModel) -> TargetModel:
-    return model.requires_grad_(False).eval()
-
-
-def default_threads() -> int:
-    return torch.get_num_threads()
 

@@ -59,15 +59,11 @@ class GraphTarget(Target):
         logits, hidden, *captured, k_new, v_new = self.step(input_ids, positions, k_cache, v_cache, write_slots,
                                                             read_slots, attn_mask, logits_indices)
         _scatter(k_cache, v_cache, write_slots, k_new, v_new)
-        return TargetOutput(logits=logits, hidden=hidden, captured=self._select(captured, tuple(capture_layers)))
-
-    def _select(self, captured: list[torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor | None:
-        if not layers:
-            return None
-        if layers == self.capture_layers:
-            return captured[0]
-        cols = feature_columns(layers, self.capture_layers, self.config.hidden_size)
-        return captured[0][:, cols.to(captured[0].device)]
+        feats = captured[0] if capture_layers else None
+        if feats is not None and tuple(capture_layers) != self.capture_layers:   # a subset of what was exported
+            cols = feature_columns(tuple(capture_layers), self.capture_layers, self.config.hidden_size)
+            feats = feats[:, cols.to(feats.device)]
+        return TargetOutput(logits=logits, hidden=hidden, captured=feats)
 
 
 class GraphEagle3(Eagle3):
@@ -88,8 +84,7 @@ class GraphEagle3(Eagle3):
         return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
 
     def kv_only(self, feats, embeds, positions):
-        k, v = self.prefill(feats, embeds, positions)
-        return k, v
+        return self.prefill(feats, embeds, positions)
 
 
 class GraphDFlash(DFlash):
@@ -101,5 +96,4 @@ class GraphDFlash(DFlash):
         return self.block(block_embeds, positions, k_cache, v_cache, read_slots)[0]
 
     def kv_only(self, feats, positions):
-        k, v = self.prefill(feats, positions)
-        return k, v
+        return self.prefill(feats, positions)
