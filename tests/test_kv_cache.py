@@ -1,4 +1,5 @@
-"""Block allocator, Sequence and KV pool bookkeeping: slot mapping, all-or-nothing reservation, compaction, double frees, leaks under random traffic, the budget arithmetic, and the engine returning every block."""
+"""Block allocator, Sequence and KV pool bookkeeping: slot mapping, all-or-nothing reservation, compaction, double
+frees, leaks under random traffic, the budget arithmetic, and the engine returning every block."""
 from __future__ import annotations
 
 import random

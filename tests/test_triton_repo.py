@@ -13,7 +13,8 @@ from whiflash_trt.cli import build_main, serve_main
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.errors import CheckpointError
 from whiflash_trt.manifest import Manifest
-from whiflash_trt.serving.server import ServerOptions, TritonDistribution, prepare_backends, server_command, server_environment
+from whiflash_trt.serving.server import (ServerOptions, TritonDistribution, prepare_backends, server_command,
+                                         server_environment)
 
 
 @pytest.fixture
