@@ -25,13 +25,13 @@ class Proposal:
 
 
 class Proposer:
-    """A drafter bound to its KV pool and the target. Each has a name, max_tree_tokens() (nodes a round verifies),
-    scratch_slots() (pool slots its draft steps use), backlog(seq), catch_up(seq) -> frontier, propose(seq)."""
+    """A drafter bound to its KV pool and the target, with its features' columns in the union capture of every verify.
+    Each has a name, max_tree_tokens() (nodes a round verifies), scratch_slots() (pool slots its draft steps use),
+    backlog(seq), catch_up(seq) -> frontier, propose(seq)."""
     name: ClassVar[str]
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         self.model, self.pool, self.target = model, pool, target
-        # its features' columns inside the union capture of every verify
         self.cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
 
 

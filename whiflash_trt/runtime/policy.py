@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from whiflash_trt.config import AR, AUTO, DFLASH, EAGLE3, WHIFLASH, SpecConfig
+from whiflash_trt.config import AR, AUTO, DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, SpecConfig
 
 
 def default_mode(drafters: set[str]) -> str:
     """Both drafters routed per round, else the one drafter, else target-only."""
-    if {EAGLE3, DFLASH} <= drafters:
-        return WHIFLASH
-    return EAGLE3 if EAGLE3 in drafters else DFLASH if DFLASH in drafters else AR
+    return next(mode for mode in (WHIFLASH, EAGLE3, DFLASH, AR) if set(MODE_DRAFTERS[mode]) <= drafters)
 
 
 def resolve_spec(spec: SpecConfig, drafters: set[str], has_router_weights: bool) -> SpecConfig:

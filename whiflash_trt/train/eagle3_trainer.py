@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from whiflash_trt.config import RopeConfig
 from whiflash_trt.models.drafter_checkpoints import save_eagle3

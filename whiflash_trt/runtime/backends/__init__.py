@@ -1,7 +1,6 @@
 """Execution backends: "torch" (the modules themselves), "onnx" (onnxruntime sessions over the exported graphs),
-"tensorrt" (serialized TensorRT engines built from those graphs). The graph backends hand the engine objects that
-implement the same model contracts as the torch modules (models.contracts, graph_models), so the round loop and the
-proposers are the same for all three."""
+"tensorrt" (serialized TensorRT engines built from those graphs). The graph models implement the torch modules'
+contracts (models.contracts), so the round loop and the proposers are the same for all three."""
 from __future__ import annotations
 
 from pathlib import Path
