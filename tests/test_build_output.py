@@ -122,3 +122,14 @@ def test_engine_files_get_the_modes_of_any_new_file(tmp_path, tiny_checkpoint):
     assert (out.stat().st_mode & 0o777) == dir_mode
     for path in out.rglob("*"):
         assert path.stat().st_mode & 0o777 == (dir_mode if path.is_dir() else file_mode), path
+
+
+def test_triton_options_are_checked_before_the_engine_is_built(capsys, tmp_path, tiny_checkpoint):
+    file = tmp_path / "repo"
+    file.write_text("x")
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", tmp_path / "e", "--triton-repo", file])
+    assert "--triton-repo" in err and "is an existing file" in err
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", tmp_path / "e", "--triton-repo",
+                                  tmp_path / "r", "--triton-instances", 0])
+    assert "instance count must be >= 1, got 0" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
