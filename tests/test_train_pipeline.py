@@ -224,24 +224,6 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
                     "--tree", "4,5"])
 
 
-def test_bundled_drafters_are_used_by_default_and_versioned(tmp_path, monkeypatch):
-    from whiflash_trt.builder import bundled
-    from whiflash_trt.builder.build import BuildOptions, with_bundled
-
-    folder = tmp_path / "assets" / "tiny"
-    (folder / "eagle3").mkdir(parents=True)
-    (folder / "eagle3" / "config.json").write_text("{}")
-    monkeypatch.setattr(bundled, "ASSETS", tmp_path / "assets")
-    b = bundled.bundled_for("tiny")
-    assert b.eagle3 == folder / "eagle3" and b.dflash is None and b.router is None
-    v1 = b.version()
-    (folder / "eagle3" / "config.json").write_text('{"changed": 1}')
-    assert bundled.bundled_for("tiny").version() != v1
-    opts = with_bundled(BuildOptions(target="tiny", output=tmp_path / "e"))
-    assert opts.ar_drafter == folder / "eagle3"
-    assert with_bundled(BuildOptions(target="tiny", output=tmp_path / "e", bundled=False)).ar_drafter is None
-
-
 def test_generator_drain_keeps_in_flight_sequences_consistent(workspace):
     from whiflash_trt.train.generate import BatchedGenerator
     from whiflash_trt.train.target import load_target
