@@ -1,9 +1,9 @@
 """Tiny random targets on disk, in the Hugging Face layout `whiflash-build --target FOLDER` reads.
 
 Not tests: the builders behind conftest.py's `tiny_checkpoint` fixture. A checkpoint is config.json +
-model.safetensors (fp32, random weights from a fixed seed) + a byte-level BPE tokenizer trained on a small in-code
-corpus (tokenizer.json, tokenizer_config.json with a ChatML chat template). The model's vocabulary is exactly the
-tokenizer's. VARIANTS names the targets the tests use:
+model.safetensors (fp32, random weights from a fixed seed) + a byte-level BPE tokenizer trained on a small corpus
+(tokenizer.json, tokenizer_config.json, with a ChatML chat template but for "onnx"). The model's vocabulary is exactly
+the tokenizer's. VARIANTS names the targets the tests use:
 
     folder = make_tiny_checkpoint(tmp_path / "llama", "llama3.1")
     folder = make_tiny_checkpoint(tmp_path / "ctx64", max_position_embeddings=64)
