@@ -1,5 +1,5 @@
-"""`whiflash-build --output`: the builder never deletes what it did not write, checks --output before any heavy
-work, and leaves an engine whose files have the modes any new file gets."""
+"""`whiflash-build`: the builder never deletes what it did not write, checks --output before any heavy work, leaves an
+engine whose files have the modes any new file gets, and builds a named target with the drafters shipped for it."""
 from __future__ import annotations
 
 import os
@@ -65,6 +65,24 @@ def test_missing_drafter_path_fails_before_loading_the_target(capsys, tmp_path, 
                                   "--ar-drafter", tmp_path / "nowhere"])
     assert f"--ar-drafter {tmp_path / 'nowhere'} does not exist" in err
     assert not (tmp_path / "e").exists()
+
+
+def test_bundled_drafters_are_used_by_default_and_versioned(tmp_path, monkeypatch):
+    from whiflash_trt.builder import bundled
+    from whiflash_trt.builder.build import with_bundled
+
+    folder = tmp_path / "assets" / "tiny"
+    (folder / "eagle3").mkdir(parents=True)
+    (folder / "eagle3" / "config.json").write_text("{}")
+    monkeypatch.setattr(bundled, "ASSETS", tmp_path / "assets")
+    b = bundled.bundled_for("tiny")
+    assert b.eagle3 == folder / "eagle3" and b.dflash is None and b.router is None
+    v1 = b.version()
+    (folder / "eagle3" / "config.json").write_text('{"changed": 1}')
+    assert bundled.bundled_for("tiny").version() != v1
+    opts = with_bundled(BuildOptions(target="tiny", output=tmp_path / "e"))
+    assert opts.ar_drafter == folder / "eagle3"
+    assert with_bundled(BuildOptions(target="tiny", output=tmp_path / "e", bundled=False)).ar_drafter is None
 
 
 def test_an_engine_is_replaced_only_with_overwrite(capsys, tmp_path, tiny_checkpoint):

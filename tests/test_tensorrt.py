@@ -35,20 +35,18 @@ def test_backend_tensorrt_fails_at_once_saying_what_to_install(tmp_path, capsys)
 
 @pytest.mark.skipif(not HAVE_TENSORRT, reason=NO_TENSORRT)
 @pytest.mark.gpu
-def test_tensorrt_engine_greedy_tokens_equal_torch_engine(tmp_path):
+def test_tensorrt_engine_greedy_tokens_equal_torch_engine(tmp_path, tiny_checkpoint):
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("the tensorrt backend needs CUDA")
-    from onnx_fixtures import make_checkpoints
-
+    from tiny_drafters import save_drafters
     from whiflash_trt.builder.build import BuildOptions, build_engine
     from whiflash_trt.config import GenerationConfig, SpecConfig
     from whiflash_trt.runtime.engine import Engine
 
-    ckpt = make_checkpoints(tmp_path / "tiny")
-    common = dict(target=str(ckpt), dtype="fp32", show_progress=False, ar_drafter=ckpt / "eagle3",
-                  dllm_drafter=ckpt / "dflash")
+    ckpt = tiny_checkpoint("onnx")
+    common = dict(target=str(ckpt), dtype="fp32", show_progress=False, **save_drafters(tmp_path, ckpt, router=False))
     trt_dir = build_engine(BuildOptions(output=tmp_path / "trt", backend="tensorrt", **common))
     trt_engine = Engine.load(trt_dir, device="cuda")
     torch_engine = Engine.load(trt_dir, device="cuda", backend="torch")
