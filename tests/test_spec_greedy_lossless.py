@@ -44,7 +44,7 @@ def test_whiflash_routes_to_both_drafters_and_switches(spec_engine):
     seen, switches = set(), 0
     for prompt in _prompts(4, seed=7, vocab=vocab):
         out = spec_engine.generate(prompt, GenerationConfig(max_new_tokens=40, ignore_eos=True),
-                                   spec=SpecConfig(mode="whiflash", threshold=1.5))
+                                   spec=SpecConfig(mode="whiflash", router="entropy", threshold=1.5))
         seen |= set(out.stats["rounds_per_drafter"])
         switches += out.stats["switches"]
     assert seen == {"eagle3", "dflash"} and switches > 0
