@@ -8,7 +8,6 @@ import struct
 import pytest
 import torch
 
-from bench_fixtures import build_tiny_engine
 from whiflash_trt.bench.lossless import check_lossless, first_difference
 from whiflash_trt.bench.modes import BASE_MODES, base_mode, sweep_points
 from whiflash_trt.bench.prompts import CATEGORIES, load_prompts, prompt_set_digest
@@ -128,18 +127,13 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory):
-    return build_tiny_engine(tmp_path_factory.mktemp("bench-engine"))
-
-
-@pytest.fixture(scope="module")
-def bench_run(tiny_engine, tmp_path_factory):
+def bench_run(bench_engine_dir, tmp_path_factory):
     from whiflash_trt.bench.cli import main
 
     out = tmp_path_factory.mktemp("bench-out")
     # fp32: speculative output must then equal target-only output token for token. Eager catch-up: see
     # test_lazy_catch_up_survives_a_first_switch for the lazy default.
-    rc = main(["--engine", str(tiny_engine), "--categories", CATS, "--modes", ",".join(BASE_MODES),
+    rc = main(["--engine", str(bench_engine_dir), "--categories", CATS, "--modes", ",".join(BASE_MODES),
                "--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "fp32", "--catch-up", "eager",
                "--threshold-sweep", "--entropy-thresholds", "1", "--neural-thresholds", "-0.5",
                "--out", str(out), "--no-progress"])
@@ -209,10 +203,10 @@ def test_bench_plots_are_valid_pngs(bench_run):
             img.verify()
 
 
-def test_lossless_check_flags_a_corrupted_mode(bench_run, tiny_engine):
+def test_lossless_check_flags_a_corrupted_mode(bench_run, bench_engine_dir):
     from whiflash_trt.runtime.engine import Engine
 
-    engine = Engine.load(tiny_engine)
+    engine = Engine.load(bench_engine_dir)
     records = copy.deepcopy([r for r in bench_run[2]["records"] if r["category"] == "code"])
     victim = next(r for r in records if r["mode"] == "dflash" and len(r["token_ids"]) > 3)
     ids = {r["prompt_id"]: engine.encode(p.prompt, chat=True) for r in records
@@ -228,19 +222,19 @@ def test_lossless_check_flags_a_corrupted_mode(bench_run, tiny_engine):
     assert d["mode_deficit"] > d["top2_gap"] >= 0
 
 
-def test_lazy_catch_up_survives_a_first_switch(tiny_engine, tmp_path):
+def test_lazy_catch_up_survives_a_first_switch(bench_engine_dir, tmp_path):
     """The default (lazy) catch-up, with a router that uses both drafters: no run may fail."""
     from whiflash_trt.bench.cli import main
 
-    rc = main(["--engine", str(tiny_engine), "--categories", "chat", "--modes", "ar,whiflash-neural",
+    rc = main(["--engine", str(bench_engine_dir), "--categories", "chat", "--modes", "ar,whiflash-neural",
                "--num-prompts", "1", "--max-new-tokens", "16", "--dtype", "fp32", "--out", str(tmp_path),
                "--no-progress", "--warmup", "0"])
     results = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, results["lossless"]["errors"]
 
 
-def test_bench_cli_rejects_an_unknown_category(tiny_engine, tmp_path, capsys):
+def test_bench_cli_rejects_an_unknown_category(bench_engine_dir, tmp_path, capsys):
     from whiflash_trt.bench.cli import main
 
-    assert main(["--engine", str(tiny_engine), "--categories", "poetry", "--out", str(tmp_path)]) == 2
+    assert main(["--engine", str(bench_engine_dir), "--categories", "poetry", "--out", str(tmp_path)]) == 2
     assert "unknown category" in capsys.readouterr().err

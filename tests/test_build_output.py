@@ -1,5 +1,5 @@
-"""`whiflash-build --output`: the builder never deletes what it did not write, checks --output before any heavy
-work, and leaves an engine whose files have the modes any new file gets."""
+"""`whiflash-build`: the builder never deletes what it did not write, checks --output before any heavy work, leaves an
+engine whose files have the modes any new file gets, and builds a named target with the drafters shipped for it."""
 from __future__ import annotations
 
 import os
@@ -67,6 +67,24 @@ def test_missing_drafter_path_fails_before_loading_the_target(capsys, tmp_path, 
     assert not (tmp_path / "e").exists()
 
 
+def test_bundled_drafters_are_used_by_default_and_versioned(tmp_path, monkeypatch):
+    from whiflash_trt.builder import bundled
+    from whiflash_trt.builder.build import with_bundled
+
+    folder = tmp_path / "assets" / "tiny"
+    (folder / "eagle3").mkdir(parents=True)
+    (folder / "eagle3" / "config.json").write_text("{}")
+    monkeypatch.setattr(bundled, "ASSETS", tmp_path / "assets")
+    b = bundled.bundled_for("tiny")
+    assert b.eagle3 == folder / "eagle3" and b.dflash is None and b.router is None
+    v1 = b.version()
+    (folder / "eagle3" / "config.json").write_text('{"changed": 1}')
+    assert bundled.bundled_for("tiny").version() != v1
+    opts = with_bundled(BuildOptions(target="tiny", output=tmp_path / "e"))
+    assert opts.ar_drafter == folder / "eagle3"
+    assert with_bundled(BuildOptions(target="tiny", output=tmp_path / "e", bundled=False)).ar_drafter is None
+
+
 def test_an_engine_is_replaced_only_with_overwrite(capsys, tmp_path, tiny_checkpoint):
     out = tmp_path / "engine"
     argv = ["--target", tiny_checkpoint(), "--output", out, "--dtype", "fp32"]
@@ -122,3 +140,14 @@ def test_engine_files_get_the_modes_of_any_new_file(tmp_path, tiny_checkpoint):
     assert (out.stat().st_mode & 0o777) == dir_mode
     for path in out.rglob("*"):
         assert path.stat().st_mode & 0o777 == (dir_mode if path.is_dir() else file_mode), path
+
+
+def test_triton_options_are_checked_before_the_engine_is_built(capsys, tmp_path, tiny_checkpoint):
+    file = tmp_path / "repo"
+    file.write_text("x")
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", tmp_path / "e", "--triton-repo", file])
+    assert "--triton-repo" in err and "is an existing file" in err
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", tmp_path / "e", "--triton-repo",
+                                  tmp_path / "r", "--triton-instances", 0])
+    assert "instance count must be >= 1, got 0" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spec_fixtures import make_dflash, make_eagle3
+from tiny_drafters import make_dflash, make_eagle3
 from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.errors import CheckpointError
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3, save_dflash, save_eagle3

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_fixtures import make_dflash, make_eagle3
+from tiny_drafters import make_dflash, make_eagle3
 from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.models.layers import apply_rope
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill_reference

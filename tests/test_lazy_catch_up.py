@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-from spec_fixtures import spec_engine, spec_engine_dir  # noqa: F401  (fixtures)
 from whiflash_trt.config import GenerationConfig, SpecConfig
 
 

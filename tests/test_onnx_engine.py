@@ -9,8 +9,6 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")  # the exporter
 
-from onnx_fixtures import manifest_json, tiny_engines  # noqa: E402
-
 from whiflash_trt.builder.build import BuildOptions  # noqa: E402
 from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig  # noqa: E402
 from whiflash_trt.runtime.engine import Engine  # noqa: E402
@@ -25,9 +23,9 @@ SPECS = [SpecConfig("ar"), SpecConfig(mode="eagle3"),
 
 
 @pytest.fixture(scope="module")
-def engines():
-    e = tiny_engines()
-    return Engine.load(e.torch_engine), Engine.load(e.onnx_engine)
+def engines(onnx_engine_dirs):
+    torch_dir, onnx_dir = onnx_engine_dirs
+    return Engine.load(torch_dir), Engine.load(onnx_dir)
 
 
 def prompts(n: int, seed: int = 0):
@@ -52,23 +50,24 @@ def test_onnx_engine_greedy_tokens_equal_torch_engine(engines, spec):
     assert onnx_engine.kv.allocator.num_free == onnx_engine.kv.allocator.num_blocks
 
 
-def test_whiflash_run_cli_on_onnx_engine_prints_torch_tokens(engines, capsys):
+def test_whiflash_run_cli_on_onnx_engine_prints_torch_tokens(onnx_engine_dirs, capsys):
     from whiflash_trt.cli import run_main
 
-    e = tiny_engines()
+    _, onnx_dir = onnx_engine_dirs
     args = ["--prompt", "def add(a, b):", "--max-new-tokens", "12", "--mode", "whiflash", "--json"]
-    assert run_main(["--engine", str(e.onnx_engine)] + args) == 0
+    assert run_main(["--engine", str(onnx_dir)] + args) == 0
     onnx_out = json.loads(capsys.readouterr().out)
-    assert run_main(["--engine", str(e.onnx_engine), "--backend", "torch"] + args) == 0
+    assert run_main(["--engine", str(onnx_dir), "--backend", "torch"] + args) == 0
     torch_out = json.loads(capsys.readouterr().out)
     assert onnx_out["token_ids"] == torch_out["token_ids"] and onnx_out["stats"]["mode"] == "whiflash"
 
 
-def test_onnx_engine_manifest_records_backend_and_export(engines):
-    m = manifest_json(tiny_engines().onnx_engine)
+def test_onnx_engine_manifest_records_backend_and_export(onnx_engine_dirs):
+    torch_dir, onnx_dir = onnx_engine_dirs
+    m = json.loads((onnx_dir / "manifest.json").read_text())
     assert m["build_options"]["backend"] == "onnx"
     assert m["onnx"]["plugin"]["domain"] == "trt.plugins"
-    assert "onnx" not in manifest_json(tiny_engines().torch_engine)
+    assert "onnx" not in json.loads((torch_dir / "manifest.json").read_text())
 
 
 def test_onnx_backend_refuses_bf16_before_any_work():
@@ -76,8 +75,8 @@ def test_onnx_backend_refuses_bf16_before_any_work():
         BuildOptions(target="smollm2-135m", output="unused", backend="onnx", dtype="bf16")
 
 
-def test_torch_engine_has_no_onnx_graphs_to_run():
+def test_torch_engine_has_no_onnx_graphs_to_run(onnx_engine_dirs):
     from whiflash_trt.errors import WhiflashError
 
     with pytest.raises(WhiflashError, match="--backend onnx"):
-        Engine.load(tiny_engines().torch_engine, backend="onnx")
+        Engine.load(onnx_engine_dirs[0], backend="onnx")

@@ -1,6 +1,8 @@
 """The exported graphs: valid ONNX, listed in the manifest, KV-only prefill as one plugin node with its function."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -8,8 +10,6 @@ import torch
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")  # the exporter
-
-from onnx_fixtures import manifest_json, tiny_engines  # noqa: E402
 
 from whiflash_trt.plugins import onnx_plugin  # noqa: E402
 from whiflash_trt.plugins.kv_prefill import (PLUGIN_DOMAIN, PLUGIN_NAME, PLUGIN_NAMESPACE,  # noqa: E402
@@ -20,9 +20,9 @@ EXPECTED = {"target_step", "target_embed", "target_lm_head", "eagle3_fc", "eagle
 
 
 @pytest.fixture(scope="module")
-def onnx_section():
-    engines = tiny_engines()
-    return engines.onnx_engine, manifest_json(engines.onnx_engine)["onnx"]
+def onnx_section(onnx_engine_dirs):
+    _, onnx_dir = onnx_engine_dirs
+    return onnx_dir, json.loads((onnx_dir / "manifest.json").read_text())["onnx"]
 
 
 def test_engine_holds_every_graph_the_runtime_needs(onnx_section):

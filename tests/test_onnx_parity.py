@@ -7,17 +7,15 @@ import torch
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")  # the exporter
 
-from onnx_fixtures import tiny_engines  # noqa: E402
-
 from whiflash_trt.runtime.engine import Engine  # noqa: E402
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engines():
-    e = tiny_engines()
-    return Engine.load(e.torch_engine, backend="torch"), Engine.load(e.onnx_engine)
+def engines(onnx_engine_dirs):
+    torch_dir, onnx_dir = onnx_engine_dirs
+    return Engine.load(torch_dir, backend="torch"), Engine.load(onnx_dir)
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -13,7 +13,6 @@ from whiflash_trt.cli import PROMPT_SEPARATOR
 from whiflash_trt.config import GenerationConfig, SpecConfig
 from whiflash_trt.runtime.device import default_threads
 from whiflash_trt.runtime.policy import resolve_spec
-from spec_fixtures import spec_engine, spec_engine_dir  # noqa: F401  (fixtures)
 
 BIN = Path(sys.executable).parent
 

@@ -94,7 +94,6 @@ def test_chain_with_rejections_keeps_target_distribution():
 # ----- through the engine: every mode samples the first two tokens from the target's distribution -----------------
 import pytest  # noqa: E402
 
-from spec_fixtures import spec_engine, spec_engine_dir  # noqa: E402,F401  (fixtures)
 from whiflash_trt.config import GenerationConfig, SamplingConfig, SpecConfig  # noqa: E402
 from whiflash_trt.spec.sampling import target_probs  # noqa: E402
 

@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from spec_fixtures import spec_engine, spec_engine_dir  # noqa: F401  (fixtures)
 from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.runtime.drafters import Proposal
 from whiflash_trt.spec.tree import DraftTree

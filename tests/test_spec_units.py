@@ -6,7 +6,6 @@ import random
 import pytest
 import torch
 
-from spec_fixtures import spec_engine, spec_engine_dir  # noqa: F401  (fixtures)
 from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.spec.router import EntropyRouter, NeuralRouter, RouterMLP, RouteSignal, entropy_of

@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
-from tests.train_fixtures import make_tiny_target
+from tiny_drafters import build_tiny_engine
+from tiny_models import make_tiny_checkpoint
 from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
+from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.train.checkpointing import read_log
 from whiflash_trt.train.cli import main as train_main
 from whiflash_trt.train.data import TrainingData
@@ -20,7 +22,7 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    target = make_tiny_target(root / "target")
+    target = make_tiny_checkpoint(root / "target", "train")
     data = root / "data"
     assert train_main(["data", "--target", str(target), "--output", str(data), "--per-category", "6",
                        "--num-val", "1", "--num-router", "1", "--max-new-tokens", "24", "--lanes", "8",
@@ -36,6 +38,13 @@ def workspace(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def trained_engine_dir(workspace):
+    """The tiny target with the EAGLE-3 and DFlash drafters the workspace trained."""
+    return build_tiny_engine(workspace / "target", workspace / "engine", ar_drafter=workspace / "e3" / "export",
+                             dllm_drafter=workspace / "df" / "export")
+
+
 def test_data_holds_target_greedy_tokens_and_features(workspace):
     data = TrainingData(workspace / "data")
     manifest = data.manifest
@@ -47,7 +56,7 @@ def test_data_holds_target_greedy_tokens_and_features(workspace):
 
 
 def test_batched_generator_reproduces_the_runtime_greedy_output(workspace):
-    engine = _engine(workspace, "engine-ar")
+    engine = Engine.load(build_tiny_engine(workspace / "target", workspace / "engine-ar"), dtype="fp32")
     data = TrainingData(workspace / "data")
     greedy = [data[i] for i in range(len(data)) if data[i].greedy][:3]
     assert greedy
@@ -65,20 +74,8 @@ def test_losses_go_down(workspace):
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, (run, losses)
 
 
-def _engine(workspace, name, **drafters):
-    from whiflash_trt.builder.build import BuildOptions, build_engine
-    from whiflash_trt.runtime.engine import Engine
-
-    out = workspace / name
-    if not out.exists():
-        build_engine(BuildOptions(target=str(workspace / "target"), output=out, dtype="fp32", show_progress=False,
-                                  **drafters))
-    return Engine.load(out, dtype="fp32")
-
-
-def test_checkpoints_decode_losslessly_through_the_runtime(workspace):
-    engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
-                     dllm_drafter=workspace / "df" / "export")
+def test_checkpoints_decode_losslessly_through_the_runtime(workspace, trained_engine_dir):
+    engine = Engine.load(trained_engine_dir, dtype="fp32")
     gen = GenerationConfig(max_new_tokens=40)
     gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     for prompt in ("def add(a, b):", "The quick brown fox"):
@@ -90,11 +87,10 @@ def test_checkpoints_decode_losslessly_through_the_runtime(workspace):
             assert result.stats["tau"] >= 1.0
 
 
-def test_runtime_dflash_block_matches_training_forward(workspace):
+def test_runtime_dflash_block_matches_training_forward(workspace, trained_engine_dir):
     from whiflash_trt.train.dflash_trainer import DFlashLoss, DFlashOptions
 
-    engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
-                     dllm_drafter=workspace / "df" / "export")
+    engine = Engine.load(trained_engine_dir, dtype="fp32")
     data = TrainingData(workspace / "data")
     seq = next(data[i] for i in range(len(data)) if len(data[i].tokens) - data[i].prompt_len >= 6)
     drafter = load_dflash(workspace / "df" / "export", engine.target.config).float()
@@ -113,11 +109,10 @@ def test_runtime_dflash_block_matches_training_forward(workspace):
     assert drafts == trained
 
 
-def test_runtime_eagle3_chain_matches_training_forward(workspace):
+def test_runtime_eagle3_chain_matches_training_forward(workspace, trained_engine_dir):
     from whiflash_trt.train.eagle3_trainer import Eagle3Loss, Eagle3Options
 
-    engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
-                     dllm_drafter=workspace / "df" / "export")
+    engine = Engine.load(trained_engine_dir, dtype="fp32")
     data = TrainingData(workspace / "data")
     seq = next(data[i] for i in range(len(data)) if len(data[i].tokens) - data[i].prompt_len >= 6)
     n = seq.prompt_len + 2
@@ -171,19 +166,19 @@ def test_router_command_writes_a_router_the_engine_uses(workspace):
     assert report["num_states"] > 0 and report["selection"]["neural"]["tokens_per_s"] > 0
     router = load_router(out, 64)
     assert router.threshold == report["selection"]["neural"]["threshold"]
-    engine = _engine(workspace, "engine-router", ar_drafter=workspace / "e3" / "export",
-                     dllm_drafter=workspace / "df" / "export", router=out)
+    engine = Engine.load(build_tiny_engine(workspace / "target", workspace / "engine-router",
+                                           ar_drafter=workspace / "e3" / "export",
+                                           dllm_drafter=workspace / "df" / "export", router=out), dtype="fp32")
     gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     ids = engine.encode("def add(a, b):")
     ar = engine.generate(ids, gen, spec=SpecConfig(mode="ar")).token_ids
     assert engine.generate(ids, gen, spec=SpecConfig(mode="whiflash", router="neural")).token_ids == ar
 
 
-def test_router_states_under_a_budget_are_contiguous_windows_over_every_sequence(workspace):
+def test_router_states_under_a_budget_are_contiguous_windows_over_every_sequence(workspace, trained_engine_dir):
     from whiflash_trt.train.router_trainer import measure_states, simulate
 
-    engine = _engine(workspace, "engine", ar_drafter=workspace / "e3" / "export",
-                     dllm_drafter=workspace / "df" / "export")
+    engine = Engine.load(trained_engine_dir, dtype="fp32")
     data = TrainingData(workspace / "data" / "router")
     spec = SpecConfig(mode="whiflash")
     every = measure_states(engine, data, spec, progress=False)
@@ -221,24 +216,6 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
                     "--tree", "4,5"])
 
 
-def test_bundled_drafters_are_used_by_default_and_versioned(tmp_path, monkeypatch):
-    from whiflash_trt.builder import bundled
-    from whiflash_trt.builder.build import BuildOptions, with_bundled
-
-    folder = tmp_path / "assets" / "tiny"
-    (folder / "eagle3").mkdir(parents=True)
-    (folder / "eagle3" / "config.json").write_text("{}")
-    monkeypatch.setattr(bundled, "ASSETS", tmp_path / "assets")
-    b = bundled.bundled_for("tiny")
-    assert b.eagle3 == folder / "eagle3" and b.dflash is None and b.router is None
-    v1 = b.version()
-    (folder / "eagle3" / "config.json").write_text('{"changed": 1}')
-    assert bundled.bundled_for("tiny").version() != v1
-    opts = with_bundled(BuildOptions(target="tiny", output=tmp_path / "e"))
-    assert opts.ar_drafter == folder / "eagle3"
-    assert with_bundled(BuildOptions(target="tiny", output=tmp_path / "e", bundled=False)).ar_drafter is None
-
-
 def test_generator_drain_keeps_in_flight_sequences_consistent(workspace):
     from whiflash_trt.train.generate import BatchedGenerator
     from whiflash_trt.train.target import load_target
@@ -259,7 +236,7 @@ def test_generator_drain_keeps_in_flight_sequences_consistent(workspace):
 def test_growing_a_data_folder_keeps_held_out_prompts_and_shards(tmp_path):
     from whiflash_trt.train.data import read_manifest, read_prompts
 
-    target = make_tiny_target(tmp_path / "target")
+    target = make_tiny_checkpoint(tmp_path / "target", "train")
     data = tmp_path / "data"
     args = ["data", "--target", str(target), "--output", str(data), "--num-val", "1", "--num-router", "1",
             "--max-new-tokens", "4", "--lanes", "8", "--shard-size", "8", "--dtype", "fp32",

@@ -49,31 +49,6 @@ PROMPTS = [
 ]
 
 
-# ----- a tiny engine ---------------------------------------------------------------------------------------------
-def make_tiny_engine(tmp: Path) -> Path:
-    """A random 6-layer Llama (hidden 64) with random EAGLE-3 and DFlash drafters and neural router weights, built by
-    the real builder."""
-    import torch
-
-    from spec_fixtures import make_dflash, make_eagle3
-    from tiny_models import make_tiny_checkpoint
-    from whiflash_trt.builder.build import BuildOptions, build_engine
-    from whiflash_trt.config import ModelConfig
-    from whiflash_trt.models.drafter_checkpoints import save_dflash, save_eagle3
-    from whiflash_trt.spec.router import RouterMLP
-    from whiflash_trt.spec.router_file import save_router
-
-    ckpt = make_tiny_checkpoint(tmp / "ckpt", num_hidden_layers=6)
-    cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
-    save_eagle3(make_eagle3(cfg), tmp / "eagle3", dtype=torch.float32)
-    save_dflash(make_dflash(cfg), tmp / "dflash", cfg.num_layers, dtype=torch.float32)
-    torch.manual_seed(3)
-    save_router(RouterMLP(cfg.hidden_size, 16), tmp / "router.safetensors", threshold=0.0, entropy_threshold=3.0)
-    return build_engine(BuildOptions(target=str(ckpt), output=tmp / "engine", dtype="fp32", show_progress=False,
-                                     ar_drafter=tmp / "eagle3", dllm_drafter=tmp / "dflash",
-                                     router=tmp / "router.safetensors"))
-
-
 def whiflash_run(engine: Path, tmp: Path, *options: str) -> list[dict]:
     """`whiflash-run --json OPTIONS` (the venv's, i.e. this checkout's) on every prompt, greedy."""
     prompts_file = tmp / "prompts.jsonl"
@@ -142,14 +117,15 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_engine):
     tmp = tmp_path_factory.mktemp("triton")
     checked = subprocess.run([str(VENV / "bin" / "python"), "-c", "import whiflash_trt; print(whiflash_trt.__file__)"],
                              capture_output=True, text=True, timeout=60)
     if Path(checked.stdout.strip()).resolve().parents[1] != ROOT:
         pytest.fail(f"{VENV} serves whiflash_trt from {checked.stdout.strip() or checked.stderr} rather than {ROOT}: "
                     f"rerun scripts/setup_triton_env.sh in this checkout")
-    engine = make_tiny_engine(tmp)
+    # a random 6-layer Llama with both drafters and a router: PROMPTS[0] * 100 is longer than its 256 positions
+    engine = tiny_engine("llama", drafters=True, num_hidden_layers=6)
     repo = tmp / "repo"
     subprocess.run([str(VENV / "bin" / "whiflash-build"), "--engine", str(engine), "--triton-repo", str(repo),
                     "--triton-instances", "2"], check=True, timeout=120, capture_output=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, EAGLE3, MODE_DRAFTERS, MODES, ROUTERS, WHIFLASH,
@@ -67,13 +68,18 @@ def build_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.overwrite and args.output is None:
         p.error("--overwrite goes with --output")
-    if args.triton_repo is not None and args.triton_repo.exists() and not args.triton_repo.is_dir():
-        p.error(f"--triton-repo {args.triton_repo} is an existing file, not a directory")
     if args.target is not None and args.output is None:
         p.error("--target needs --output (the engine directory to write)")
     if args.engine is not None and (args.triton_repo is None or args.output is not None):
         p.error("--engine writes a Triton repository for an existing engine: give --triton-repo and no --output")
     try:
+        triton = None
+        if args.triton_repo is not None:   # checked now, before any engine is built
+            if args.triton_repo.exists() and not args.triton_repo.is_dir():
+                raise WhiflashError(f"--triton-repo {args.triton_repo} is an existing file, not a directory")
+            triton = TritonRepoOptions(engine_dir=args.engine or args.output, output=args.triton_repo,
+                                       instance_count=args.triton_instances, device=args.triton_device,
+                                       kv_budget_mb=args.triton_kv_budget_mb, threads=args.triton_threads)
         engine_dir = args.engine
         if args.target is not None:
             dtype = args.dtype or ("fp32" if args.backend == "onnx" else "bf16")
@@ -83,11 +89,8 @@ def build_main(argv: list[str] | None = None) -> int:
                                                    backend=args.backend, bundled=not args.no_bundled,
                                                    overwrite=args.overwrite))
             print(f"engine written to {engine_dir}")
-        if args.triton_repo is not None:
-            repo = write_triton_repo(TritonRepoOptions(
-                engine_dir=engine_dir, output=args.triton_repo, instance_count=args.triton_instances,
-                device=args.triton_device, kv_budget_mb=args.triton_kv_budget_mb,
-                threads=args.triton_threads))
+        if triton is not None:
+            repo = write_triton_repo(replace(triton, engine_dir=engine_dir))
             print(f"Triton model repository written to {repo} (serve it with whiflash-serve --triton-repo {repo})")
     except (WhiflashError, ValueError) as e:
         return _fail(str(e))

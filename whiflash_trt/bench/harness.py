@@ -146,6 +146,7 @@ def run_benchmark(opts: BenchOptions) -> dict:
     gen = GenerationConfig(max_new_tokens=opts.max_new_tokens)
     ids = encode_prompts(engine, prompts, opts.max_new_tokens)
     warm_up(engine, [ids[p.id] for p in prompts[:opts.warmup]], modes, gen)
+    limit = _roofline(engine, opts, [len(i) for i in ids.values()])
     records = run_prompts(engine, prompts, ids, modes, gen, opts.show_progress)
     tolerance = opts.near_tie if opts.near_tie is not None else NEAR_TIE[opts.dtype]
     lossless = check_lossless(records, ids, engine.target_logits, tolerance)
@@ -162,6 +163,7 @@ def run_benchmark(opts: BenchOptions) -> dict:
         "modes": {m.name: {"base": m.base, **asdict(m.spec)} for m in modes},
         "generation": {"greedy": True, "max_new_tokens": opts.max_new_tokens, "warmup_prompts": opts.warmup},
         "summary": summary,
+        "roofline": limit,
         "lossless": lossless,
         "threshold_sweep": threshold_sweep(records, modes) if opts.threshold_sweep else None,
         "goals": goals.evaluate(summary),
@@ -170,6 +172,17 @@ def run_benchmark(opts: BenchOptions) -> dict:
     }
     report.write_outputs(results, opts.out)
     return results
+
+
+def _roofline(engine, opts: BenchOptions, prompt_lengths: list[int]) -> dict:
+    """The decode-step limit of this machine at the run's mean context (prompt + half the new tokens)."""
+    from whiflash_trt.bench.roofline import measure_stream_rates, roofline
+    from whiflash_trt.config import parse_dtype
+
+    cfg = engine.target.config
+    context = round(sum(prompt_lengths) / len(prompt_lengths) + opts.max_new_tokens / 2)
+    return roofline(cfg, parse_dtype(opts.dtype), context, measure_stream_rates(cfg.hidden_size,
+                                                                                   cfg.intermediate_size))
 
 
 def _prompt_index(prompts: list[BenchPrompt], ids: dict[str, list[int]]) -> dict:

@@ -80,14 +80,27 @@ def _setup(r: dict) -> str:
 
 
 def _headline(r: dict) -> str:
+    limit = (r.get("roofline") or {}).get("limit_tokens_per_s")
     rows = [[cat, mode, _f(c["tau"]), _f(c["tokens_per_s"]), _f(c["decode_tokens_per_s"]),
+             _f(c["decode_tokens_per_s"] / limit if limit and c["decode_tokens_per_s"] else None),
              _f(c["speedup"], "{:.2f}x"), _f(c["decode_speedup"], "{:.2f}x"), str(c["new_tokens"]),
              str(c["errors"]) if c["errors"] else ""] for cat, mode, c in _cells(r)]
     return ("## Acceptance and speed\n\ntau: mean acceptance length per round (accepted drafts + 1). tokens/s: new "
             "tokens over wall time, prefill included; decode tok/s leaves prefill out. Speedups: median over "
-            "prompts of the per-prompt ratio to ar.\n\n"
-            + _table(["category", "mode", "tau", "tokens/s", "decode tok/s", "speedup", "decode speedup",
-                      "tokens", "failed runs"], rows))
+            "prompts of the per-prompt ratio to ar. x roofline: decode tok/s over the memory roofline's "
+            "tokens/s, the fastest one-token-per-step decoding this machine allows (" + _roofline_text(r) + ").\n\n"
+            + _table(["category", "mode", "tau", "tokens/s", "decode tok/s", "x roofline", "speedup",
+                      "decode speedup", "tokens", "failed runs"], rows))
+
+
+def _roofline_text(r: dict) -> str:
+    roof = r.get("roofline")
+    if not roof:
+        return "not measured"
+    rates = roof["rates_gbs"]
+    return (f"{roof['bytes']['total'] / 1e6:.0f} MB per step at {roof['context']} tokens of context, streamed at "
+            f"{max(rates['plain_read'], rates['best_kernel'])} GB/s: {roof['limit_ms_per_step']} ms per step, "
+            f"{roof['limit_tokens_per_s']} tokens/s; scripts/roofline.py")
 
 
 def _routing(r: dict) -> str:

@@ -1,0 +1,34 @@
+"""The roofline's byte count is what a decode step reads: every parameter of the target once (an untied embedding
+table only one row) plus the K/V of the context; its rates are measured, positive, at the current thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from whiflash_trt.bench.roofline import measure_stream_rates, roofline, step_bytes
+from whiflash_trt.config import ModelConfig
+from whiflash_trt.models.target import TargetModel
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_step_bytes_count_every_weight_a_step_reads(tied):
+    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=128,
+                      tie_word_embeddings=tied)
+    model = TargetModel(cfg).to(torch.bfloat16)
+    params = {id(p): p for p in model.parameters()}.values()      # a tied table counts once
+    read = sum(p.numel() for p in params) - (0 if tied else cfg.vocab_size * cfg.hidden_size - cfg.hidden_size)
+    got = step_bytes(cfg, torch.bfloat16, context=10)
+    assert got["weights"] == 2 * read
+    assert got["kv_cache"] == 2 * cfg.num_layers * 10 * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def test_roofline_limit_follows_from_bytes_and_the_best_rate():
+    torch.set_num_threads(1)
+    rates = measure_stream_rates(hidden=64, rows=128, repeats=2)
+    assert rates.threads == 1 and rates.plain_read > 0 and rates.best_kernel == max(rates.kernels.values())
+    cfg = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64)
+    out = roofline(cfg, torch.float32, 32, rates)
+    seconds = out["bytes"]["total"] / (max(rates.plain_read, rates.best_kernel) * 1e9)
+    assert out["limit_ms_per_step"] == pytest.approx(seconds * 1e3, abs=0.01)

@@ -1,0 +1,82 @@
+"""The memory roofline of decoding: one target step streams every weight once plus the KV cache it attends to, so no
+step can be faster than those bytes over the rate this machine streams memory at. Measured, not looked up: the rate
+of a plain read and of the best matrix-vector kernel torch has here, each over weights far larger than the caches."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from whiflash_trt.config import ModelConfig
+
+BUFFER_BYTES = 256 * 2**20   # streamed per timed pass: far past any last-level cache
+
+
+@dataclass(frozen=True)
+class StreamRates:
+    """GB/s (1e9 bytes per second) at the thread count they were measured with."""
+    plain_read: float            # a sum over a flat fp32 buffer
+    best_kernel: float           # the fastest matrix-vector product over weights of a decoder's shape
+    best_kernel_name: str
+    kernels: dict[str, float]
+    threads: int
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _gemv_rate(dtype: torch.dtype, hidden: int, rows: int, repeats: int) -> float:
+    """y = W x for a stack of [rows, hidden] weights that together hold BUFFER_BYTES."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = max(1, BUFFER_BYTES // (rows * hidden * elem))
+    weights = [torch.randn(rows, hidden).to(dtype) for _ in range(count)]
+    x = torch.randn(1, hidden).to(dtype)
+
+    def run() -> None:
+        for w in weights:
+            F.linear(x, w)
+    return count * rows * hidden * elem / _best_seconds(run, repeats) / 1e9
+
+
+@torch.inference_mode()
+def measure_stream_rates(hidden: int = 576, rows: int = 1536, repeats: int = 5) -> StreamRates:
+    """The rates at torch's current thread count. `hidden` x `rows` is one weight matrix (default: SmolLM2's MLP)."""
+    flat = torch.ones(BUFFER_BYTES // 4)
+    plain = BUFFER_BYTES / _best_seconds(lambda: flat.sum(), repeats) / 1e9
+    del flat
+    kernels = {f"linear {name}": _gemv_rate(dtype, hidden, rows, repeats)
+               for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+    best = max(kernels, key=kernels.get)
+    return StreamRates(round(plain, 2), round(kernels[best], 2), best, {k: round(v, 2) for k, v in kernels.items()},
+                       torch.get_num_threads())
+
+
+def step_bytes(config: ModelConfig, dtype: torch.dtype, context: int) -> dict[str, int]:
+    """Bytes one decode step must read: every weight matrix once (an untied embedding table only its one row) and
+    the K/V of `context` positions in every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+    q = config.num_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size + 2 * h
+    embedding_row = 0 if config.tie_word_embeddings else h   # a tied table is the LM head, read whole anyway
+    weights = (config.num_layers * per_layer + h + config.vocab_size * h + embedding_row) * elem
+    kv_cache = 2 * config.num_layers * context * kv * elem
+    return {"weights": weights, "kv_cache": kv_cache, "total": weights + kv_cache}
+
+
+def roofline(config: ModelConfig, dtype: torch.dtype, context: int, rates: StreamRates) -> dict:
+    """The fastest possible decode step at `context` tokens, from the best measured streaming rate."""
+    nbytes = step_bytes(config, dtype, context)
+    rate = max(rates.plain_read, rates.best_kernel)
+    ms = nbytes["total"] / (rate * 1e9) * 1e3
+    return {"context": context, "bytes": nbytes, "rates_gbs": asdict(rates), "limit_ms_per_step": round(ms, 2),
+            "limit_tokens_per_s": round(1e3 / ms, 1)}
