@@ -25,6 +25,7 @@ PROMPT = "def add(a, b):"
 SYSTEM = "You are terse."
 USER = "Hello world! How are you today?"
 STARTUP_TIMEOUT_S = 90
+KV_BUDGET_MB = 1   # ~23 blocks of 16 tokens with both drafters' pools: requests up to ~340 tokens fit, 450 do not
 SERVE = Path(sys.executable).parent / "whiflash-serve"
 
 
@@ -41,7 +42,8 @@ def server(spec_engine_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("openai-server") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([str(SERVE), "--openai", "--engine", str(spec_engine_dir), "--port", str(port),
-                                 "--threads", "1", "--model-name", MODEL], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                 "--threads", "1", "--model-name", MODEL,
+                                 "--kv-budget-mb", str(KV_BUDGET_MB)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -266,8 +268,8 @@ def test_client_leaving_mid_stream_cancels_its_sequence_and_frees_every_block(se
     health = httpx.get(f"{server}/health").json()
     assert health["kv_blocks_free"] == health["kv_blocks_total"] > 0
     cancelled = metric(server, 'whiflash_requests_total{endpoint="completions",outcome="cancelled"}')
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True, "mode": "ar",
-            "ignore_eos": True}   # 500 target-only rounds: far longer than the server needs to notice
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True, "mode": "ar",
+            "ignore_eos": True}   # 300 target-only rounds (~1 s): far longer than the server needs to notice
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
@@ -280,6 +282,24 @@ def test_client_leaving_mid_stream_cancels_its_sequence_and_frees_every_block(se
     assert health["kv_blocks_free"] == health["kv_blocks_total"]
     assert metric(server, "whiflash_kv_blocks_free") == metric(server, "whiflash_kv_blocks_total")
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_request_larger_than_the_kv_budget_gets_an_error_and_frees_its_blocks(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_cache_exhausted"
+    assert "KV cache exhausted" in r.json()["error"]["message"] and "--kv-budget-mb" in r.json()["error"]["message"]
+    with httpx.stream("POST", f"{server}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line]
+    assert json.loads(events[-2])["error"]["code"] == "kv_cache_exhausted" and events[-1] == "[DONE]"
+    assert all("choices" in json.loads(e) for e in events[:-2]), "text came before the error"
+    health = httpx.get(f"{server}/health").json()
+    assert health["kv_blocks_free"] == health["kv_blocks_total"]
+
+
+def test_unknown_route_is_an_openai_404(server):
+    r = httpx.get(f"{server}/v1/engines")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
 def test_metrics_count_requests_tokens_and_acceptance(server, client):

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from whiflash_trt.errors import WhiflashError
 from whiflash_trt.openai_server.metrics import ServerMetrics
 from whiflash_trt.openai_server.protocol import APIError, ParsedRequest, parse_chat, parse_completion
 from whiflash_trt.openai_server.responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -61,7 +62,7 @@ def error_of(exc: Exception) -> APIError:
     """A request that failed inside the engine: its own fault (400) or the server's (500)."""
     if isinstance(exc, KVCacheExhausted):
         return APIError(f"{exc} (start the server with a larger --kv-budget-mb)", code="kv_cache_exhausted")
-    if isinstance(exc, ValueError):   # WhiflashError is not a ValueError; config checks are
+    if isinstance(exc, (WhiflashError, ValueError)):
         return APIError(str(exc))
     return APIError(f"{type(exc).__name__}: {exc}", type="server_error", status=500)
 
@@ -85,9 +86,10 @@ class OpenAIServer:
         app = FastAPI(title="whiflash-trt OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
 
         @app.exception_handler(HTTPException)
-        async def http_error(_request, exc: HTTPException):
+        async def http_error(request: HTTPRequest, exc: HTTPException):
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-            return JSONResponse(APIError(str(exc.detail), code=code, status=exc.status_code).body(),
+            message = f"{exc.detail}: {request.method} {request.url.path}"
+            return JSONResponse(APIError(message, code=code, status=exc.status_code).body(),
                                 status_code=exc.status_code)
 
         app.get("/health")(self.health)
