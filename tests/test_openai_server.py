@@ -284,6 +284,20 @@ def test_client_leaving_mid_stream_cancels_its_sequence_and_frees_every_block(se
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens >= 1
 
 
+def test_client_leaving_a_non_streaming_request_cancels_it(server):
+    label = 'whiflash_requests_total{endpoint="completions",outcome="cancelled"}'
+    cancelled = metric(server, label)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "mode": "ar", "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):   # the client gives up long before 300 rounds are done
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.2))
+    deadline = time.monotonic() + 30
+    while metric(server, label) == cancelled:
+        assert time.monotonic() < deadline, "the engine did not stop the abandoned request"
+        time.sleep(0.05)
+    health = httpx.get(f"{server}/health").json()
+    assert health["running"] == 0 and health["kv_blocks_free"] == health["kv_blocks_total"]
+
+
 def test_request_larger_than_the_kv_budget_gets_an_error_and_frees_its_blocks(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 450, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)

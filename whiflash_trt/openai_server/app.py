@@ -29,10 +29,12 @@ DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its cl
 
 
 class _Events:
-    """RequestSink: each event goes onto the event loop's queue (`outcome` first sees the final one)."""
+    """RequestSink: each event goes onto the event loop's queue (`outcome` first sees the final one); token events
+    only when the response streams."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, outcome: Callable[[str, object], None]) -> None:
-        self.loop, self.outcome, self.queue = loop, outcome, asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, outcome: Callable[[str, object], None],
+                 stream: bool) -> None:
+        self.loop, self.outcome, self.stream, self.queue = loop, outcome, stream, asyncio.Queue()
 
     def _put(self, kind: str, value, final: bool = False) -> None:
         def deliver():
@@ -46,7 +48,8 @@ class _Events:
             pass
 
     def tokens(self, new_ids):
-        self._put("tokens", new_ids)
+        if self.stream:
+            self._put("tokens", new_ids)
 
     def finished(self, result):
         self._put("finished", result, final=True)
@@ -128,7 +131,8 @@ class OpenAIServer:
         except APIError as e:
             self.metrics.refused(endpoint)
             return JSONResponse(e.body(), status_code=e.status)
-        events = _Events(asyncio.get_running_loop(), lambda kind, value: self._count(endpoint, kind, value))
+        events = _Events(asyncio.get_running_loop(), lambda kind, value: self._count(endpoint, kind, value),
+                         parsed.stream)
         request = Request(parsed.prompt_ids, parsed.gen, parsed.spec, events)
         self.scheduler.submit(request)
         fmt = response_format(self.model_name)
@@ -145,7 +149,7 @@ class OpenAIServer:
             self.metrics.cancelled(endpoint)
 
     async def _whole(self, http: HTTPRequest, request: Request, events: _Events, fmt: ResponseFormat) -> Response:
-        while True:
+        while True:   # only the final event comes (no token events without streaming)
             try:
                 kind, value = await asyncio.wait_for(events.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:

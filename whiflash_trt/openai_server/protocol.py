@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from whiflash_trt.config import GenerationConfig, SamplingConfig, SpecConfig
+from whiflash_trt.config import AUTO, MODES, ROUTERS, GenerationConfig, SamplingConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.runtime.engine import Engine
 
@@ -120,19 +120,19 @@ def _spec(body: dict, engine: Engine) -> SpecConfig:
     given = {"mode": _string(body, "mode"), "router": _string(body, "router"),
              "threshold": _number(body, "threshold", None)}
     given = {k: v for k, v in given.items() if v is not None}
-    try:
-        spec = engine.resolve_spec(SpecConfig(**given))
-    except ValueError as e:
-        raise APIError(str(e), param="router" if "router" in str(e) else "mode") from None
+    for name, allowed in (("mode", (AUTO, *MODES)), ("router", (AUTO, *ROUTERS))):
+        if name in given and given[name] not in allowed:
+            raise APIError(f"unknown {name} {given[name]!r}; expected one of {', '.join(allowed)}", param=name)
+    spec = engine.resolve_spec(SpecConfig(**given))
     routing = [k for k in ("router", "threshold") if k in given]
     if routing and spec.mode != "whiflash":
         raise APIError(f"{' and '.join(routing)} apply only to mode 'whiflash'; this request's mode is "
                        f"{spec.mode!r}", param=routing[0])
-    try:
-        engine.proposers_for(spec)
-        engine.router_for(spec)
-    except WhiflashError as e:
-        raise APIError(str(e), param="router" if spec.router == "neural" and "router" in str(e) else "mode") from None
+    for param, check in (("mode", engine.proposers_for), ("router", engine.router_for)):
+        try:
+            check(spec)
+        except WhiflashError as e:   # a mode whose drafter, or a router whose weights, this engine lacks
+            raise APIError(str(e), param=param) from None
     return spec
 
 

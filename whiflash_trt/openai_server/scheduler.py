@@ -63,7 +63,7 @@ class SerialScheduler:
     def __init__(self, engine: Engine, threads: int) -> None:
         self.engine, self.threads = engine, threads
         self._queue: queue.Queue[Request | None] = queue.Queue()
-        self._running = 0
+        self._current: Request | None = None   # the request the worker is running
         self._worker = threading.Thread(target=self._work, name="whiflash-engine", daemon=True)
 
     @property
@@ -72,7 +72,7 @@ class SerialScheduler:
 
     @property
     def num_running(self) -> int:
-        return self._running
+        return int(self._current is not None)
 
     def start(self) -> None:
         self._worker.start()
@@ -81,22 +81,27 @@ class SerialScheduler:
         self._queue.put(request)
 
     def close(self) -> None:
-        """Finish the request in progress and stop (requests still queued get `cancelled`)."""
-        self._queue.put(None)
-        self._worker.join()
+        """Stop: the request in progress and every queued one are cancelled."""
+        pending = []
         while not self._queue.empty():
-            request = self._queue.get_nowait()
+            pending.append(self._queue.get_nowait())
+        if self._current is not None:
+            self._current.cancel()
+        self._queue.put(None)
+        if self._worker.is_alive():
+            self._worker.join()
+        for request in pending:
             if request is not None:
                 request.sink.cancelled()
 
     def _work(self) -> None:
         set_threads(self.threads)   # torch's intra-op thread count, set on the thread that runs the engine
         while (request := self._queue.get()) is not None:
-            self._running = 1
+            self._current = request
             try:
                 self._run(request)
             finally:
-                self._running = 0
+                self._current = None
 
     def _run(self, request: Request) -> None:
         if request.cancel_event.is_set():
