@@ -343,3 +343,10 @@ def test_the_runtime_and_the_triton_cli_do_not_import_the_web_stack():
                          env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_every_openai_option_has_help_text():
+    from whiflash_trt.cli import openai_parser
+
+    for action in openai_parser()._actions:
+        assert action.help, f"whiflash-serve --openai: {action.option_strings or action.dest} has no help text"
