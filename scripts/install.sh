@@ -4,7 +4,8 @@
 # The train extra also gets bfcl-eval without its declared deps (training reads only its data files).
 #   bash scripts/install.sh            # runtime only
 #   bash scripts/install.sh train      # + what whiflash-train needs
-#   bash scripts/install.sh dev        # + test dependencies (extras are comma-separated: dev,onnx,bench,train)
+#   bash scripts/install.sh serve      # + whiflash-serve --openai (fastapi, uvicorn, prometheus-client)
+#   bash scripts/install.sh dev        # + test dependencies (extras are comma-separated: dev,onnx,bench,train,serve)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"

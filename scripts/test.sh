@@ -4,7 +4,7 @@
 # Python). Exit code: non-zero if anything failed, or if pytest collected no tests (exit 5).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh dev,onnx,bench,train || exit 1
+bash scripts/install.sh dev,onnx,bench,train,serve || exit 1
 python -m pytest -q
 rc=$?
 bash scripts/setup_triton_env.sh || exit 1

@@ -15,6 +15,7 @@ from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.prompt_lines import parse_prompt_lines
 from whiflash_trt.runtime.device import check_device, default_threads, set_threads
 from whiflash_trt.runtime.kv_cache import KVCacheExhausted
+from whiflash_trt.runtime.text_stream import TextStream
 
 PROMPT_SEPARATOR = "-" * 40  # between the outputs of several prompts in plain-text mode
 
@@ -103,8 +104,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="whiflash-serve", description="Start Triton Inference Server (nvidia-pytriton's bundled binary) on a "
         "model repository written by whiflash-build --triton-repo. Arguments after `--` go to tritonserver. "
-        "Threads per model instance are set when the repository is written (whiflash-build --triton-threads).",
+        "Threads per model instance are set when the repository is written (whiflash-build --triton-threads). "
+        "With --openai: an OpenAI-compatible HTTP server instead (see whiflash-serve --openai --help).",
         formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--openai", action="store_true", help="serve an OpenAI-compatible HTTP API (other options: "
+                                                          "whiflash-serve --openai --help)")
     p.add_argument("--triton-repo", required=True, type=Path, help="model repository")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
@@ -115,9 +119,53 @@ def serve_parser() -> argparse.ArgumentParser:
     return p
 
 
+def openai_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="whiflash-serve --openai", description="Serve an engine over an OpenAI-compatible HTTP API "
+        "(/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics; see docs/openai.md). Requests are "
+        "queued and run one at a time (not batched).", formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--engine", type=Path, help="engine directory (default: the embedded SmolLM2-135M, built once "
+                                               "into --cache-dir)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--address", default="127.0.0.1", help="address the server binds to (loopback only by default)")
+    p.add_argument("--threads", type=int, default=default_threads(),
+                   help="torch threads of the engine: half this machine's cores (see whiflash-run --help)")
+    p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--model-name", help="the model id clients send (default: the engine's target name, e.g. "
+                                        "smollm2-135m)")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where the default engine is built")
+    return p
+
+
+def _openai_main(argv: list[str]) -> int:
+    args = openai_parser().parse_args(argv)
+    try:
+        from whiflash_trt.openai_server.server import OpenAIServerOptions, run_server
+    except ImportError as e:
+        return _fail(f"whiflash-serve --openai needs the serve extra ({e.name} is missing): "
+                     f"bash scripts/install.sh serve")
+    try:
+        opts = OpenAIServerOptions(engine_dir=args.engine, address=args.address, port=args.port,
+                                   threads=args.threads, kv_budget_mb=args.kv_budget_mb, dtype=args.dtype,
+                                   device=args.device, model_name=args.model_name)
+        check_device(args.device)
+        engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
+        run_server(replace(opts, engine_dir=engine_dir))
+    except (WhiflashError, ValueError, OSError) as e:
+        return _fail(str(e))
+    return 0
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     from whiflash_trt.serving.server import ServerOptions, check_python, exec_server
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own = argv[:argv.index("--")] if "--" in argv else argv   # arguments after `--` belong to tritonserver
+    if "--openai" in own:
+        argv.remove("--openai")
+        return _openai_main(argv)
     args = serve_parser().parse_args(argv)
     try:
         opts = ServerOptions(model_repository=args.triton_repo, http_port=args.http_port, grpc_port=args.grpc_port,
@@ -145,39 +193,20 @@ def _read_prompts(args) -> list[str]:
 
 
 class _StreamPrinter:
-    """Prints text as tokens arrive. Holds back an incomplete UTF-8 sequence and any tail that could be the start
-    of a stop string, so a stop string never reaches the screen; `finish` prints the rest of the final text."""
+    """Prints text as tokens arrive (runtime.text_stream: a stop string never reaches the screen); `finish` prints
+    the rest of the final text."""
 
     def __init__(self, decode, stop_strings: tuple[str, ...] = (), out=None) -> None:
-        self.decode, self.stops, self.out = decode, tuple(s for s in stop_strings if s), out or sys.stdout
-        self.ids, self.printed = [], 0
-
-    def _safe_length(self, text: str) -> int:
-        """Length of the prefix of `text` that no stop string can still claim."""
-        safe = len(text)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                safe = min(safe, at)
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):   # a tail that begins this stop string
-                if text.endswith(stop[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
-        return safe
+        self.text, self.out = TextStream(decode, stop_strings), out or sys.stdout
 
     def __call__(self, new_ids: list[int]) -> None:
-        self.ids += new_ids
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        safe = self._safe_length(text)
-        if safe > self.printed:
-            self.out.write(text[self.printed:safe])
+        delta = self.text.add(new_ids)
+        if delta:
+            self.out.write(delta)
             self.out.flush()
-            self.printed = safe
 
     def finish(self, final_text: str) -> None:
-        self.out.write(final_text[self.printed:] + "\n")
+        self.out.write(self.text.rest(final_text) + "\n")
         self.out.flush()
 
 
