@@ -35,7 +35,7 @@ def engine():
 
 
 def test_shipped_drafters_are_trained_and_lossless(engine):
-    from whiflash_trt.train.target import chat_ids
+    from whiflash_trt.runtime.tokenizer_policy import chat_ids
 
     gen = GenerationConfig(max_new_tokens=48)
     taus = {"eagle3": [], "dflash": []}

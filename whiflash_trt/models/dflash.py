@@ -14,7 +14,8 @@ from torch import nn
 
 from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.models.contracts import DFlash
-from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, paged_attention
+from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, paged_attention
+from whiflash_trt.models.target import Attention
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill
 
 
@@ -63,31 +64,21 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
-class DFlashAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+class DFlashAttention(Attention):
+    """The target's attention projections (Qwen3-style q/k norms); the block attends to the context at read_slots
+    and, bidirectionally, to itself."""
 
     def forward(self, x, cos, sin, k_pool, v_pool, read_slots):
-        """Block x [B, H] attends to the context at read_slots and (bidirectionally) to itself."""
+        """Block x [B, H] -> [B, H]."""
         b = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(b, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(b, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x, cos, sin)
         # The block's own K/V are scratch: append them after the gathered context instead of writing the pool.
         ctx = read_slots.numel()
         k_all = torch.cat([k_pool.index_select(0, read_slots), k])
         v_all = torch.cat([v_pool.index_select(0, read_slots), v])
         slots = torch.arange(ctx + b, device=x.device)
         mask = torch.ones(b, ctx + b, dtype=torch.bool, device=x.device)
-        return self.o_proj(paged_attention(q, k_all, v_all, slots, mask, self.head_dim ** -0.5))
+        return self.o_proj(paged_attention(q, k_all, v_all, slots, mask, self.scale))
 
 
 class DFlashLayer(nn.Module):

@@ -50,16 +50,17 @@ class Attention(nn.Module):
         self.qkv_weight, self.qkv_bias = fused, bias
 
     def project(self, x, cos, sin):
-        """-> q [T, heads, head_dim], k and v [T, kv_heads, head_dim]: projections, q/k norms (Qwen3), RoPE."""
-        t = x.shape[0]
+        """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
+        RoPE (cos/sin broadcast over the heads)."""
+        lead = x.shape[:-1]
         if self.qkv_weight is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv = self.num_kv_heads * self.head_dim
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], -1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

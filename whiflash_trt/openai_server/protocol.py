@@ -232,17 +232,8 @@ def _message_text(i: int, message: Any) -> tuple[str, str]:
 
 
 def chat_prompt_ids(engine: Engine, messages: list[tuple[str, str]]) -> list[int]:
-    """The chat template of the engine's tokenizer over `messages`. [system?, user] goes through Engine.encode
-    (what whiflash-run --chat does); longer conversations apply the same template to every turn."""
-    roles = [role for role, _ in messages]
-    if roles in (["user"], ["system", "user"]):
-        system = messages[0][1] if len(messages) == 2 else None
-        return engine.encode(messages[-1][1], chat=True, system=system)
-    if not getattr(engine.tokenizer, "chat_template", None):
-        raise WhiflashError("this model's tokenizer has no chat template")
-    text = engine.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
-                                                add_generation_prompt=True)
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    """The chat template of the engine's tokenizer over `messages` (what whiflash-run --chat applies)."""
+    return engine.encode_chat([{"role": r, "content": c} for r, c in messages])
 
 
 def parse_chat(body: Any, engine: Engine, served: str) -> ParsedRequest:

@@ -19,6 +19,7 @@ from whiflash_trt.errors import WhiflashError
 from whiflash_trt.runtime.drafters import PROPOSERS, Proposer
 from whiflash_trt.runtime.kv_cache import KVCache, KVCacheExhausted, kv_layouts
 from whiflash_trt.runtime.loading import EngineParts, load_parts
+from whiflash_trt.runtime import tokenizer_policy
 from whiflash_trt.runtime.policy import resolve_spec
 from whiflash_trt.runtime.request import Request
 from whiflash_trt.runtime.sequence import Sequence
@@ -26,7 +27,7 @@ from whiflash_trt.runtime.stopping import StopChecker
 from whiflash_trt.runtime.target_runner import TargetRunner
 from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, EntropyRouter, NeuralRouter, RouteSignal, Router,
                                       entropy_of)
-from whiflash_trt.spec.sampling import target_probs
+from whiflash_trt.spec.sampling import next_token, target_probs
 from whiflash_trt.spec.tree import DraftTree
 from whiflash_trt.spec.verify import verify_greedy, verify_sampling
 
@@ -86,26 +87,18 @@ class Engine:
 
     # ----- text <-> tokens -------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
-        if not prompt:
-            raise WhiflashError("prompt is empty")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise WhiflashError("--chat: this model's tokenizer has no chat template")
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+        return tokenizer_policy.prompt_ids(self.tokenizer, prompt, chat, system)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A whole conversation ([{"role", "content"}, ...]) through the chat template."""
+        return tokenizer_policy.chat_ids(self.tokenizer, messages)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.target.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
+        return tokenizer_policy.eos_ids(self.target.config, self.tokenizer)
 
     # ----- modes -------------------------------------------------------------------------------------------------
     def resolve_spec(self, spec: SpecConfig | None = None) -> SpecConfig:
@@ -200,19 +193,14 @@ class Engine:
         blocks = -(-(num_tokens + slack) // self.kv.block_size)
         return -(-blocks * self.kv.bytes_per_block_id // 2**20)
 
-    def _choose(self, logits: torch.Tensor, req: Request) -> int:
-        tree = DraftTree([0], [-1], [0])
-        if req.gen.sampling.greedy:
-            return verify_greedy(tree, logits).bonus
-        return verify_sampling(tree, target_probs(logits, req.gen.sampling), req.generator).bonus
-
     def _prefill(self, req: Request) -> None:
         """Target over the prompt; every drafter of the mode starts at frontier 0 with the whole prompt as backlog
         (its KV-only prefill runs when it is first chosen, or every round with eager catch-up)."""
         seq, prompt = req.seq, req.seq.prompt_ids
         seq.reserve(len(prompt))
         out = self.runner.step(seq, prompt, logits_rows=[len(prompt) - 1], capture=bool(req.proposers))
-        seq.commit(prompt, self._choose(out.logits, req), out.captured, {name: 0 for name in req.proposers})
+        bonus = next_token(out.logits[-1], req.gen.sampling, req.generator)
+        seq.commit(prompt, bonus, out.captured, {name: 0 for name in req.proposers})
         req.signal = RouteSignal(entropy_of(out.logits[-1]), out.hidden[-1])
 
     def _round(self, req: Request) -> list[int]:

@@ -1,4 +1,5 @@
-"""Turning target logits into the distribution tokens are drawn from (temperature, top-k, top-p)."""
+"""Turning target logits into the distribution tokens are drawn from (temperature, top-k, top-p), and the one sampler
+of the target's own next token (runtime prefill, training data generation)."""
 from __future__ import annotations
 
 import torch
@@ -24,3 +25,11 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    """The target's own next token from [vocab] logits: the argmax (greedy) or one draw from target_probs, the same
+    token (and the same generator draws) that verification emits as the bonus of an empty draft."""
+    if sampling.greedy:
+        return int(logits.argmax(-1))
+    return int(torch.multinomial(target_probs(logits, sampling), 1, generator=generator))

@@ -144,7 +144,8 @@ def _run_router(args) -> None:
     from whiflash_trt.train.data import TrainingData, read_manifest, read_prompts
     from whiflash_trt.train.evaluate import make_engine
     from whiflash_trt.train.router_trainer import round_costs, train_router
-    from whiflash_trt.train.target import chat_ids, load_target
+    from whiflash_trt.runtime.tokenizer_policy import chat_ids
+    from whiflash_trt.train.target import load_target
 
     manifest = read_manifest(args.data)
     target, tokenizer = load_target(args.target or manifest["target"], manifest["dtype"])
@@ -205,7 +206,7 @@ def _run_eval(args) -> None:
                           args.neural_threshold)
     if args.modes:
         specs = {k: v for k, v in specs.items() if k in args.modes.split(",")}
-    from whiflash_trt.train.target import chat_ids
+    from whiflash_trt.runtime.tokenizer_policy import chat_ids
 
     limit = manifest["options"]["max_prompt_tokens"]
     seen: dict = {}

@@ -25,7 +25,8 @@ from tqdm import tqdm
 from whiflash_trt.models.contracts import feature_columns
 from whiflash_trt.train.generate import BatchedGenerator, Finished
 from whiflash_trt.train.sources import CATEGORIES, PromptRecord, build_prompts, require_prompt_packages
-from whiflash_trt.train.target import chat_ids, eos_ids, load_target
+from whiflash_trt.runtime.tokenizer_policy import chat_ids, eos_ids
+from whiflash_trt.train.target import load_target
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val", "router")
@@ -170,7 +171,7 @@ def generate_data(opts: DataOptions) -> Path:
         _write_manifest(out, manifest)
     prompts = read_prompts(root / f"prompts.{opts.split}.jsonl")
     done = {i for shard in manifest["shards"] for i in shard["prompt_index"]}
-    eos = eos_ids(model, tokenizer)
+    eos = eos_ids(model.config, tokenizer)
     max_len = min(opts.max_prompt_tokens + opts.max_new_tokens + 1, model.config.max_position_embeddings)
     gen = BatchedGenerator(model, capture, opts.lanes, max_len, eos)
     rng = random.Random(opts.seed)

@@ -15,7 +15,7 @@ from whiflash_trt.models.target import TargetModel
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.loading import checkpoint_parts
 from whiflash_trt.train.sources import PromptRecord
-from whiflash_trt.train.target import chat_ids
+from whiflash_trt.runtime.tokenizer_policy import chat_ids
 
 
 def make_engine(target: TargetModel, tokenizer, eagle3: Path | None = None, dflash: Path | None = None,

@@ -3,17 +3,18 @@
 The runtime decodes one request at a time; for training data we want throughput. Each of `lanes` sequences owns a
 contiguous row of a dense KV cache [layers, lanes, kv_heads, max_len, head_dim]; one step feeds one new token per
 active lane (a prompt is prefilled alone in its lane), with padded attention masked per lane. The target's own
-modules and weights are used, so tokens and captured features are the target's (same dtype as the runtime).
+modules and weights are used (its layers' projections, norms and MLPs; only the attention over the dense lane cache
+is this module's), so tokens and captured features are the target's (same dtype as the runtime).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from whiflash_trt.models.layers import apply_rope
+from whiflash_trt.config import SamplingConfig
 from whiflash_trt.models.target import TargetModel
+from whiflash_trt.spec import sampling
 
 
 @dataclass
@@ -40,14 +41,7 @@ def _attention(attn, x, cos, sin, k_cache, v_cache, lanes, positions, lengths_af
     """x [B, T, H]; positions [B, T]; k/v_cache [lanes, kv, max_len, D] of this layer; writes then attends."""
     b, t, _ = x.shape
     nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if attn.qkv_weight is not None:
-        q, k, v = F.linear(x, attn.qkv_weight, attn.qkv_bias).split([nh * hd, nkv * hd, nkv * hd], -1)
-    else:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    q, k, v = q.view(b, t, nh, hd), k.view(b, t, nkv, hd), v.view(b, t, nkv, hd)
-    if attn.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = attn.project(x, cos, sin)   # [B, T, heads or kv_heads, D]
     k_cache[lanes[:, None], :, positions] = k.to(k_cache.dtype)     # cache [lanes, kv, max_len, D]; indexed result [B, T, kv, D]
     v_cache[lanes[:, None], :, positions] = v.to(v_cache.dtype)
     s = int(lengths_after.max())
@@ -95,12 +89,6 @@ class BatchedGenerator:
         self.free = list(range(lanes))[::-1]
         self.active: list[Lane] = []
 
-    def _choose(self, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> list[int]:
-        if temperature <= 0:
-            return logits.argmax(-1).tolist()
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1).tolist()
-
     def add(self, prompt_ids: list[int], meta: dict, generator: torch.Generator) -> None:
         lane = Lane(self.free.pop(), prompt_len=len(prompt_ids), meta=meta)
         ids = torch.tensor([prompt_ids])
@@ -109,7 +97,7 @@ class BatchedGenerator:
                                         self.capture)
         lane.tokens, lane.feats, lane.hidden = list(prompt_ids), [feats[0]], [hidden[0]]
         logits = self.model.lm_head(hidden[0, -1:])
-        lane.next_token = self._choose(logits, meta.get("temperature", 0.0), generator)[0]
+        lane.next_token = sampling.next_token(logits[0], SamplingConfig(meta.get("temperature", 0.0)), generator)
         self.active.append(lane)
 
     def drain(self) -> list[Finished]:
@@ -137,8 +125,8 @@ class BatchedGenerator:
             lane.tokens.append(lane.next_token)
             lane.feats.append(feats[j])
             lane.hidden.append(hidden[j])
-            temp = lane.meta.get("temperature", 0.0)
-            lane.next_token = self._choose(logits[j:j + 1], temp, generator)[0]
+            temperature = SamplingConfig(lane.meta.get("temperature", 0.0))
+            lane.next_token = sampling.next_token(logits[j], temperature, generator)
             new = len(lane.tokens) - lane.prompt_len
             if lane.tokens[-1] in self.eos or new >= max_new_tokens or len(lane.tokens) >= self.max_len:
                 done.append(Finished(lane.tokens, lane.prompt_len, torch.cat(lane.feats), torch.cat(lane.hidden),
