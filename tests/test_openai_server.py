@@ -85,7 +85,7 @@ def metric(server: str, name: str) -> float:
 
 
 def test_models_lists_the_served_name_which_defaults_to_the_target_name(client, spec_engine, tiny_checkpoint):
-    from whiflash_trt.openai_server.server import served_model_name
+    from whiflash_trt.serving.openai_api.server import served_model_name
 
     assert [m.id for m in client.models.list()] == [MODEL]
     assert served_model_name(spec_engine.manifest) == tiny_checkpoint("spec").name

@@ -142,7 +142,7 @@ def openai_parser() -> argparse.ArgumentParser:
 def _openai_main(argv: list[str]) -> int:
     args = openai_parser().parse_args(argv)
     try:
-        from whiflash_trt.openai_server.server import OpenAIServerOptions, run_server
+        from whiflash_trt.serving.openai_api.server import OpenAIServerOptions, run_server
     except ImportError as e:
         return _fail(f"whiflash-serve --openai needs the serve extra ({e.name} is missing): "
                      f"bash scripts/install.sh serve")
