@@ -10,6 +10,16 @@ from torch import nn
 from whiflash_trt.config import RopeConfig
 
 
+def k_major(w: torch.Tensor) -> torch.Tensor:
+    """The same [out, in] matrix stored input-major (the transposed view of a contiguous [in, out] tensor).
+
+    A target row must not depend on the number of rows in the call. MKL's fp32 GEMM sums a row in the same order
+    for every row count from 2 up only with the weight in this layout (stored [out, in], its order changes below
+    16 rows); oneDNN's bf16 GEMM does in both layouts, and is faster with [out, in] for the LM head.
+    """
+    return w.t().contiguous().t() if w.dtype == torch.float32 else w
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,7 +44,8 @@ class SwiGLU(nn.Module):
 
     def fuse(self) -> None:
         """One [gate; up] matrix; gate/up_proj become views into it (names and state_dict unchanged)."""
-        fused = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        fused = k_major(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        self.down_proj.weight = nn.Parameter(k_major(self.down_proj.weight), requires_grad=False)
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
