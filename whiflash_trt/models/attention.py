@@ -6,8 +6,8 @@ its key split from the key count and treats one query differently from many, so 
 with the shape of the call. Here every reduction a row takes part in has a shape fixed by that row alone:
 - a row's visible keys are laid out in logical order (a tree node: the context, then its ancestors, then itself,
   exactly the keys a chain gives that position) in chunks of CHUNK keys, the last one padded with masked keys;
-- scores q.k and each chunk's sum of p.v are fp32 GEMMs of at least two rows (a one-row GEMM takes a GEMV path that
-  sums in another order; from two rows up a row does not depend on the row count: tests/test_row_invariance.py);
+- scores q.k and each chunk's sums of p.v and p are fp32 GEMMs of at least MIN_ROWS rows (a one-row GEMM takes a
+  GEMV path that sums in another order; from MIN_ROWS rows up a row does not depend on the row count);
 - the softmax max is over all visible keys (a max is exact in any order), so chunks need no online rescaling;
 - chunk sums are added strictly in chunk order (cumsum), so the fully masked chunks of a longer call add exact zeros.
 """
@@ -19,6 +19,9 @@ import torch
 
 CHUNK = 64       # keys per chunk: every chunk reduction has this length
 ROW_BLOCK = 128  # query rows per pass over the keys (bounds the score memory of a long prefill)
+# MKL's fp32 GEMM sums a row of q.k^T (keys stored [S, D]) alike for any row count from 3 up, and a row of p.v from
+# 2 up; fewer rows take other paths (measured; tests/test_row_invariance.py holds it).
+MIN_ROWS = 3
 
 
 @dataclass
@@ -87,18 +90,17 @@ def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
 
 def _fp32_buffer(x: torch.Tensor, blk: RowBlock, name: str) -> torch.Tensor:
-    """x [S, kv, D] -> the block's fp32 buffer of the keys it reads, zero past them: "v" [kv, width, D], "k" stored
-    [kv, D, width] (MKL's fp32 GEMM sums a row alike for any row count from 2 up only with B in this layout)."""
+    """x [S, kv, D] -> the block's [kv, width, D] fp32 buffer of the keys it reads, zero past them. The "v" buffer
+    has one more column of ones: the p.v GEMM then also sums p (the softmax denominator) in the same order."""
     s = x.shape[0] if blk.tail is not None else min(x.shape[0], blk.bias.shape[1])
     buf = blk.buffers.get(name)
     if buf is None:
         width = max(blk.bias.shape[1], -(-s // CHUNK) * CHUNK)
-        shape = (x.shape[1], x.shape[2], width) if name == "k" else (x.shape[1], width, x.shape[2])
-        buf = blk.buffers[name] = x.new_zeros(shape, dtype=torch.float32)
-    if name == "k":
-        buf[..., :s].copy_(x[:s].permute(1, 2, 0))
-    else:
-        buf[:, :s].copy_(x[:s].transpose(0, 1))
+        buf = x.new_zeros(x.shape[1], width, x.shape[2] + (name == "v"), dtype=torch.float32)
+        if name == "v":
+            buf[..., -1] = 1
+        blk.buffers[name] = buf
+    buf[:, :s, :x.shape[2]].copy_(x[:s].transpose(0, 1))
     return buf
 
 
@@ -106,33 +108,35 @@ def _attend(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: RowBlock) -
     """qf [kv, M, D] (M = rows * group, scaled) -> [kv, M, D] fp32."""
     kv, m, d = qf.shape
     s, s_pad = k.shape[0], blk.bias.shape[1]
-    kf, vf = _fp32_buffer(k, blk, "k"), _fp32_buffer(v, blk, "v")  # [kv, D, width], [kv, width, D]
+    kf, vf = _fp32_buffer(k, blk, "k"), _fp32_buffer(v, blk, "v")  # [kv, width, D], [kv, width, D + 1]
     chunks, shared_chunks = s_pad // CHUNK, blk.shared // CHUNK
-    if blk.tail is None and m > 1:
-        scores = torch.baddbmm(blk.bias, qf, kf[..., :s_pad])  # [kv, M, S_pad]
-    elif blk.tail is None:
-        scores = _mm(qf, kf[..., :s_pad]).add_(blk.bias)
+    if blk.tail is None:
+        scores = _mm(qf, kf[:, :s_pad].transpose(1, 2), blk.bias)  # [kv, M, S_pad]
     else:
         # score every read key once, then pick each row's own logical order
-        every = _mm(qf, kf[..., :s])  # [kv, M, S]
+        every = _mm(qf, kf[:, :s].transpose(1, 2))  # [kv, M, S]
         rows = blk.tail.shape[0]
         index = blk.tail.repeat_interleave(m // rows, 0).expand(kv, -1, -1)
         scores = torch.cat([every[..., :blk.shared], every.gather(-1, index)], -1).add_(blk.bias)
-    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(kv, m, chunks, CHUNK)  # masked keys: exact zeros
-    denom = p.sum(-1).cumsum(-1)[..., -1:]  # [kv, M, 1]
-    p = p.transpose(1, 2)  # [kv, chunks, M, CHUNK]
-    parts = _mm(p[:, :shared_chunks], vf[:, :blk.shared].view(kv, shared_chunks, CHUNK, d))  # [kv, n, M, D]
+    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [kv, M, S_pad]; masked keys give exact zeros
+    p = p.view(kv, m, chunks, CHUNK).transpose(1, 2)  # [kv, chunks, M, CHUNK]
+    # per chunk: [sum of p.v, sum of p]
+    parts = _mm(p[:, :shared_chunks], vf[:, :blk.shared].view(kv, shared_chunks, CHUNK, d + 1))
     if blk.tail is not None:
         rows, tail_chunks = blk.tail.shape[0], chunks - shared_chunks
-        v_rows = vf[:, blk.tail].view(kv, rows, tail_chunks, CHUNK, d)  # each row's own later values
+        v_rows = vf[:, blk.tail].view(kv, rows, tail_chunks, CHUNK, d + 1)  # each row's own later values
         p_rows = p[:, shared_chunks:].reshape(kv, tail_chunks, rows, m // rows, CHUNK).transpose(1, 2)
-        late = _mm(p_rows, v_rows)  # [kv, rows, tail chunks, group, D]
-        parts = torch.cat([parts, late.transpose(1, 2).reshape(kv, tail_chunks, m, d)], 1)
-    return parts.cumsum(1)[:, -1].div_(denom)  # chunk sums added in chunk order
+        late = _mm(p_rows, v_rows)  # [kv, rows, tail chunks, group, D + 1]
+        parts = torch.cat([parts, late.transpose(1, 2).reshape(kv, tail_chunks, m, d + 1)], 1)
+    total = parts.cumsum(1)[:, -1]  # chunk sums added in chunk order: [kv, M, D + 1]
+    return total[..., :d] / total[..., d:]
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with at least two rows, so each row is summed as in any larger call."""
-    if a.shape[-2] > 1:
-        return a @ b
-    return (torch.cat([a, a], -2) @ b)[..., :1, :]
+def _mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bias + a @ b with at least MIN_ROWS rows, so each row is summed as in any larger call."""
+    rows = a.shape[-2]
+    if rows < MIN_ROWS:
+        a = torch.cat([a] + [a[..., :1, :]] * (MIN_ROWS - rows), -2)
+        bias = None if bias is None else torch.cat([bias] + [bias[..., :1, :]] * (MIN_ROWS - rows), -2)
+    out = a @ b if bias is None else torch.baddbmm(bias, a, b)
+    return out if rows >= MIN_ROWS else out[..., :rows, :]

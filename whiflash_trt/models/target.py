@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.models.attention import KeyOrder, key_order, row_invariant_attention
-from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major
+from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear
 
 
 @dataclass
@@ -66,7 +65,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], -1)
+            q, k, v = row_linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], -1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -79,7 +78,8 @@ class Attention(nn.Module):
         k_pool.index_copy_(0, write_slots, k)
         v_pool.index_copy_(0, write_slots, v)
         k_read, v_read = k_pool.index_select(0, read_slots), v_pool.index_select(0, read_slots)
-        return self.o_proj(row_invariant_attention(q, k_read, v_read, keys, self.scale))
+        out = row_invariant_attention(q, k_read, v_read, keys, self.scale)
+        return row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -132,12 +132,6 @@ class TargetModel(nn.Module):
     ) -> TargetOutput:
         """Each row's result depends only on its token, position and visible keys, never on the other rows of the
         call: a verify row equals, bit for bit, the same position fed alone (see models/attention.py)."""
-        n = input_ids.shape[0]
-        if n == 1:
-            # A one-row GEMM takes a GEMV path that sums in another order than a multi-row one: run a lone token as
-            # two identical rows (both write the same K/V to the same slot) and keep the first.
-            input_ids, positions, write_slots = input_ids.repeat(2), positions.repeat(2), write_slots.repeat(2)
-            attn_mask = attn_mask.repeat(2, 1)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         keys = key_order(attn_mask, self.config.num_heads // self.config.num_kv_heads)
@@ -145,9 +139,9 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, read_slots, keys)
             if i in capture_layers:
-                captured.append((capture_layers.index(i), x[:n]))
-        rows = x[:n] if logits_indices is None else x.index_select(0, logits_indices)
+                captured.append((capture_layers.index(i), x))
+        rows = x if logits_indices is None else x.index_select(0, logits_indices)
         hidden = self.norm(rows)
-        logits = self.lm_head(hidden.repeat(2, 1))[:1] if hidden.shape[0] == 1 else self.lm_head(hidden)
+        logits = row_linear(hidden, self.lm_head.weight)
         feats = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
         return TargetOutput(logits=logits, hidden=hidden, captured=feats)
