@@ -112,6 +112,18 @@ def test_tiny_target_verify_rows_equal_one_token_steps(tiny_targets, dtype, cont
     assert_rows_invariant(tiny_targets[dtype], context_tokens)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("context_tokens", (CHUNK - 3, CHUNK + 5))
+def test_tiny_target_rows_are_invariant_with_two_threads(tiny_targets, dtype, context_tokens):
+    """The GEMM libraries split work by thread count: the benchmark runs with two threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_rows_invariant(tiny_targets[dtype], context_tokens)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_attention_rows_do_not_depend_on_the_other_rows(num_threads):
     """The attention alone: each row of a causal 40-row call, of a tree call and of a 300-row prefill (several row

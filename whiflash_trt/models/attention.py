@@ -32,6 +32,7 @@ class RowBlock:
     bias: torch.Tensor         # [rows * group, S_pad] fp32: 0 where logical key j of the row exists, else -inf
     shared: int                # logical keys [0, shared) are read keys [0, shared) for every row (multiple of CHUNK)
     tail: torch.Tensor | None  # [rows, S_pad - shared] read-key index of the later logical keys; None: read order
+    tail_scores: torch.Tensor | None  # tail per score row, [rows * group, S_pad - shared]
     buffers: dict = field(default_factory=dict)  # "k", "v": [kv_heads, width, head_dim] fp32, zero past the keys
 
 
@@ -63,13 +64,13 @@ def key_order(attn_mask: torch.Tensor, group: int) -> KeyOrder:
         bias.masked_fill_(torch.arange(s_pad, device=dev) >= rows[:, None], float("-inf"))
         bias = bias.repeat_interleave(group, 0)
         if order is None:  # every row sees a prefix of the read keys (prefill, decode, chain)
-            blocks.append(RowBlock(start, end, bias, s_pad, None))
+            blocks.append(RowBlock(start, end, bias, s_pad, None, None))
             continue
         shared = min(shared_all, s_pad)
         tail = order[start:end, shared:s_pad]
         if tail.shape[1] < s_pad - shared:  # logical slots past the last read key: masked, any key will do
             tail = torch.nn.functional.pad(tail, (0, s_pad - shared - tail.shape[1]))
-        blocks.append(RowBlock(start, end, bias, shared, tail))
+        blocks.append(RowBlock(start, end, bias, shared, tail, tail.repeat_interleave(group, 0)))
     return KeyOrder(blocks, group)
 
 
@@ -115,9 +116,8 @@ def _attend(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: RowBlock) -
     else:
         # score every read key once, then pick each row's own logical order
         every = _mm(qf, kf[:, :s].transpose(1, 2))  # [kv, M, S]
-        rows = blk.tail.shape[0]
-        index = blk.tail.repeat_interleave(m // rows, 0).expand(kv, -1, -1)
-        scores = torch.cat([every[..., :blk.shared], every.gather(-1, index)], -1).add_(blk.bias)
+        late = every.gather(-1, blk.tail_scores.expand(kv, -1, -1))
+        scores = torch.cat([every[..., :blk.shared], late], -1).add_(blk.bias)
     p = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [kv, M, S_pad]; masked keys give exact zeros
     p = p.view(kv, m, chunks, CHUNK).transpose(1, 2)  # [kv, chunks, M, CHUNK]
     # per chunk: [sum of p.v, sum of p]
