@@ -130,7 +130,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
               scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [S, kv_heads, head_dim] (already gathered); attn_mask: [T, S] bool.
-    Returns [T, heads * head_dim]."""
+    Returns [T, heads * head_dim].
+
+    SDPA, for the DFlash drafter and the fp32 ONNX graphs. A row's last bits depend on the shape of the call, so the
+    target's torch forward uses models/attention.py instead (a draft needs no bit-exactness)."""
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, S, head_dim]
     heads, kv_heads = q.shape[1], k.shape[0]
     if heads != kv_heads:
