@@ -22,13 +22,15 @@ FP32_ROWS = 16
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over x [T, in] whose row i does not depend on T, so a verify row equals a 1-token step's row.
+    """F.linear over x [T, in] (or [..., in]) whose row i does not depend on T, so a verify row equals a 1-token step's row.
 
     Measured on this project's CPUs (tests/test_row_invariance.py holds it): oneDNN's bf16 GEMM gives a row the same
     bits for any row count from 2 up, and at 1 row too unless in_features > 1024 (its GEMV path then sums in
     another order); MKL's fp32 GEMM with input-major weights (k_major) does for 2..FP32_ROWS rows, never at 1 row.
     Calls outside those ranges run in row blocks, a lone row as two.
     """
+    if x.dim() != 2:  # [..., in]: the rows are every leading index
+        return row_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     rows = x.shape[0]
     if weight.dtype == torch.float32 and rows > FP32_ROWS:
         return torch.cat([row_linear(x[i:i + FP32_ROWS], weight, bias) for i in range(0, rows, FP32_ROWS)])
