@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from whiflash_trt.bench.lossless import check_lossless, first_difference
+from whiflash_trt.bench.lossless import NEAR_TIE, check_lossless, first_difference
 from whiflash_trt.bench.modes import BASE_MODES, base_mode, sweep_points
 from whiflash_trt.bench.prompts import CATEGORIES, load_prompts, prompt_set_digest
 from whiflash_trt.config import SpecConfig
@@ -105,6 +105,13 @@ def test_lossless_check_accepts_a_flip_at_a_near_tie():
 
 def test_lossless_check_flags_a_flip_far_from_a_tie():
     report = check_lossless(_records([1, 2, 3], [1, 4, 3]), {"p": [0]}, _peaked_logits(2, 4, 3.0), 0.25)
+    assert report["bugs"] == 1 and not report["divergences"][0]["near_tie"]
+
+
+def test_lossless_check_is_exact_by_default_in_bf16_and_fp32():
+    """bf16 and fp32 target rows are bit-identical in every verify shape: even a flip at an exact tie is a bug."""
+    assert NEAR_TIE["bf16"] == NEAR_TIE["fp32"] == 0
+    report = check_lossless(_records([1, 2, 3], [1, 4, 3]), {"p": [0]}, _peaked_logits(2, 4, 0.0), NEAR_TIE["bf16"])
     assert report["bugs"] == 1 and not report["divergences"][0]["near_tie"]
 
 

@@ -137,14 +137,17 @@ def _lossless(r: dict) -> str:
                   _f(d["top2_gap"], "{:.4f}"), _f(d["ar_deficit"], "{:.4f}"), _f(d["mode_deficit"], "{:.4f}"),
                   "near-tie" if d["near_tie"] else "**BUG**"] for d in ll["divergences"]]
         text += (f"\nFirst divergences. The target (same dtype) recomputed at each: top-2 gap, and how far below its "
-                 f"top logit each side's token lies; a near-tie means both within {ll['tolerance']:g}.\n\n"
+                 f"top logit each side's token lies; "
+                 + (f"a near-tie means both within {ll['tolerance']:g}.\n\n" if ll["tolerance"] > 0 else
+                    "the check is exact (tolerance 0): every divergence is a bug.\n\n")
                  + _table(["mode", "prompt", "position", "ar token", "mode token", "top-2 gap", "ar deficit",
                            "mode deficit", "verdict"], drows))
     not_ties = ll["bugs"] - len(ll["errors"])
     verdict = "; ".join(x for x in (
         f"{len(ll['errors'])} run(s) failed" if ll["errors"] else "",
         "no divergence" if not ll["divergences"] else
-        f"{not_ties} divergence(s) NOT at a near-tie: a bug in the speculative path" if not_ties else
+        f"{not_ties} divergence(s) NOT at a near-tie: a bug in the speculative path" if not_ties and ll["tolerance"] > 0
+        else f"{not_ties} divergence(s): a bug (the check is exact)" if not_ties else
         "every divergence is at a near-tie of the target's own logits") if x)
     return text + f"\nVerdict: {verdict}.\n"
 

@@ -10,6 +10,35 @@ from torch import nn
 from whiflash_trt.config import RopeConfig
 
 
+def k_major(w: torch.Tensor) -> torch.Tensor:
+    """The same [out, in] matrix stored input-major (the transposed view of a contiguous [in, out] tensor): the
+    fp32 layout row_linear needs. bf16 weights stay [out, in] (as fast or faster there, e.g. the LM head)."""
+    return w.t().contiguous().t() if w.dtype == torch.float32 else w
+
+
+# Largest row count of one fp32 GEMM: MKL (2 threads) sums rows of 17-100-row calls in another order than rows of
+# 2-16-row calls when in_features is large (1536).
+FP32_ROWS = 16
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over x [T, in] (or [..., in]) whose row i does not depend on T, so a verify row equals a 1-token step's row.
+
+    Measured on this project's CPUs (tests/test_row_invariance.py holds it): oneDNN's bf16 GEMM gives a row the same
+    bits for any row count from 2 up, and at 1 row too unless in_features > 1024 (its GEMV path then sums in
+    another order); MKL's fp32 GEMM with input-major weights (k_major) does for 2..FP32_ROWS rows, never at 1 row.
+    Calls outside those ranges run in row blocks, a lone row as two.
+    """
+    if x.dim() != 2:  # [..., in]: the rows are every leading index
+        return row_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    rows = x.shape[0]
+    if weight.dtype == torch.float32 and rows > FP32_ROWS:
+        return torch.cat([row_linear(x[i:i + FP32_ROWS], weight, bias) for i in range(0, rows, FP32_ROWS)])
+    if rows == 1 and (weight.dtype == torch.float32 or weight.shape[1] > 1024):
+        return F.linear(x.repeat(2, 1), weight, bias)[:1]
+    return F.linear(x, weight, bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,7 +63,8 @@ class SwiGLU(nn.Module):
 
     def fuse(self) -> None:
         """One [gate; up] matrix; gate/up_proj become views into it (names and state_dict unchanged)."""
-        fused = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        fused = k_major(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        self.down_proj.weight = nn.Parameter(k_major(self.down_proj.weight), requires_grad=False)
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
@@ -43,8 +73,8 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = row_linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return row_linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -102,7 +132,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
               scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [S, kv_heads, head_dim] (already gathered); attn_mask: [T, S] bool.
-    Returns [T, heads * head_dim]."""
+    Returns [T, heads * head_dim].
+
+    SDPA, for the DFlash drafter and the fp32 ONNX graphs. A row's last bits depend on the shape of the call, so the
+    target's torch forward uses models/attention.py instead (a draft needs no bit-exactness)."""
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, S, head_dim]
     heads, kv_heads = q.shape[1], k.shape[0]
     if heads != kv_heads:

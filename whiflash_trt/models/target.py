@@ -8,12 +8,12 @@ name map (drop the leading "model.").
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from whiflash_trt.config import ModelConfig
+from whiflash_trt.models.attention import KeyOrder, key_order, row_invariant_attention
 from whiflash_trt.models.contracts import Target, TargetOutput
-from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, paged_attention
+from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear
 
 
 class Attention(nn.Module):
@@ -38,7 +38,7 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """One [q;k;v] matrix; q/k/v_proj become views into it, so names and state_dict stay the checkpoint's."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        fused = torch.cat([p.weight for p in projs])
+        fused = k_major(torch.cat([p.weight for p in projs]))
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
         start = 0
         for p in projs:
@@ -48,6 +48,7 @@ class Attention(nn.Module):
                 p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
             start += n
         self.qkv_weight, self.qkv_bias = fused, bias
+        self.o_proj.weight = nn.Parameter(k_major(self.o_proj.weight), requires_grad=False)
 
     def project(self, x, cos, sin):
         """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
@@ -57,7 +58,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], -1)
+            q, k, v = row_linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], -1)
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
@@ -65,11 +66,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask):
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, keys: KeyOrder):
         q, k, v = self.project(x, cos, sin)
         k_pool.index_copy_(0, write_slots, k)
         v_pool.index_copy_(0, write_slots, v)
-        return self.o_proj(paged_attention(q, k_pool, v_pool, read_slots, attn_mask, self.scale))
+        k_read, v_read = k_pool.index_select(0, read_slots), v_pool.index_select(0, read_slots)
+        out = row_invariant_attention(q, k_read, v_read, keys, self.scale)
+        return row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -80,8 +83,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, write_slots, read_slots, attn_mask)
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, keys: KeyOrder):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, write_slots, read_slots, keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -108,10 +111,15 @@ class TargetModel(nn.Module, Target):
         return self.lm_head(hidden)
 
     def fuse_projections(self) -> None:
-        """Inference-only: one matmul for q/k/v and one for gate/up per layer (fewer, larger weight streams)."""
+        """Inference-only: one matmul for q/k/v and one for gate/up per layer (fewer, larger weight streams), every
+        weight in the layout whose GEMM rows do not depend on the row count (layers.k_major)."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        head = nn.Parameter(k_major(self.lm_head.weight), requires_grad=False)
+        if self.lm_head.weight is self.embed_tokens.weight:
+            self.embed_tokens.weight = head
+        self.lm_head.weight = head
 
     def forward(
         self,
@@ -125,14 +133,18 @@ class TargetModel(nn.Module, Target):
         capture_layers: tuple[int, ...] = (),
         logits_indices: torch.Tensor | None = None,  # rows of T to compute logits for; None = all
     ) -> TargetOutput:
+        """Each row's result depends only on its token, position and visible keys, never on the other rows of the
+        call: a verify row equals, bit for bit, the same position fed alone (see models/attention.py)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        keys = key_order(attn_mask, self.config.num_heads // self.config.num_kv_heads)
         captured = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, read_slots, attn_mask)
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, read_slots, keys)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x))
         rows = x if logits_indices is None else x.index_select(0, logits_indices)
         hidden = self.norm(rows)
+        logits = row_linear(hidden, self.lm_head.weight)
         feats = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
-        return TargetOutput(logits=self.lm_head(hidden), hidden=hidden, captured=feats)
+        return TargetOutput(logits=logits, hidden=hidden, captured=feats)

