@@ -33,7 +33,7 @@ def workspace(tmp_path_factory):
     common = ["--data", str(data), "--steps", str(STEPS), "--seqs-per-step", "2", "--lr", "3e-3",
               "--warmup-steps", "2", "--no-progress"]
     assert train_main(["eagle3", *common, "--output", str(root / "e3"), "--draft-vocab", "200"]) == 0
-    assert train_main(["dflash", *common, "--output", str(root / "df"), "--layers", "2", "--block-size", "4",
+    assert train_main(["dflash", *common, "--output", str(root / "df"), "--layers", "2", "--draft-block-len", "4",
                        "--anchors", "8"]) == 0
     return root
 

@@ -107,7 +107,8 @@ def _dflash(sub) -> None:
     p = sub.add_parser("dflash", help="train a DFlash drafter (public DFlash checkpoint format)")
     _loop_args(p, steps=2000, lr=6e-4, seqs=4)
     p.add_argument("--layers", type=int, default=3, help="drafter decoder layers")
-    p.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (bonus + drafts)")
+    p.add_argument("--draft-block-len", "--block-size", type=int, default=8,
+                   help="tokens per drafted block, bonus + drafts (--block-size is the old name)")
     p.add_argument("--gamma", type=float, help="loss weight decay exp(-(k-1)/gamma) over block positions "
                                                "(default: the DFlash recipe's for the block size)")
     p.add_argument("--anchors", type=int, default=24, help="random block anchors per sequence")
@@ -118,7 +119,7 @@ def _dflash(sub) -> None:
 def _run_dflash(args) -> None:
     from whiflash_trt.train.dflash_trainer import DFlashOptions, train_dflash
 
-    opts = DFlashOptions(num_layers=args.layers, draft_block_len=args.block_size, gamma=args.gamma,
+    opts = DFlashOptions(num_layers=args.layers, draft_block_len=args.draft_block_len, gamma=args.gamma,
                          anchors=args.anchors, loss_vocab_size=args.loss_vocab, prompt_weight=args.prompt_weight)
     out = train_dflash(args.data, args.output, _data_target(args), opts, _loop_options(args))
     print(f"DFlash drafter written to {out}")
