@@ -25,6 +25,7 @@ import httpx
 import openai
 
 from whiflash_trt.bench.prompts import load_prompts
+from whiflash_trt.serving.readiness import wait_until_ready
 
 SERVE = Path(sys.executable).parent / "whiflash-serve"
 STARTUP_TIMEOUT_S = 900   # the first run builds the default engine
@@ -42,19 +43,11 @@ def start_server(args, port: int, log: Path) -> subprocess.Popen:
         cmd += ["--engine", str(args.engine)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.terminate()
-            sys.exit(f"the server did not start within {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+    failure = wait_until_ready(proc, f"http://127.0.0.1:{port}/health", STARTUP_TIMEOUT_S, log)
+    if failure:
+        proc.terminate()
+        sys.exit(failure)
+    return proc
 
 
 def one_request(client: openai.OpenAI, model: str, prompt: str, mode: str, max_tokens: int) -> dict:

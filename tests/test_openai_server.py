@@ -19,6 +19,7 @@ import pytest
 
 from whiflash_trt.cli import serve_main
 from whiflash_trt.config import GenerationConfig, SamplingConfig, SpecConfig
+from whiflash_trt.serving.readiness import wait_until_ready
 
 MODEL = "tiny-spec"   # the served id (--model-name)
 PROMPT = "def add(a, b):"
@@ -43,21 +44,13 @@ def server(spec_engine_dir, tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen([str(SERVE), "--openai", "--engine", str(spec_engine_dir), "--port", str(port),
                                  "--threads", "1", "--model-name", MODEL,
-                                 "--kv-budget-mb", str(KV_BUDGET_MB)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                 "--kv-budget-mb", str(KV_BUDGET_MB)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not answer /health within {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
-            time.sleep(0.2)
+        failure = wait_until_ready(proc, f"{url}/health", STARTUP_TIMEOUT_S, log)
+        if failure:
+            pytest.fail(failure)
         yield url
     finally:
         proc.terminate()
