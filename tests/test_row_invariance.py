@@ -9,12 +9,13 @@ import random
 import pytest
 import torch
 
-from whiflash_trt.models.attention import CHUNK, key_order, row_invariant_attention
+from whiflash_trt.models.attention import CHUNK, ROW_BLOCK, key_layout, row_invariant_attention
 from whiflash_trt.models.checkpoints import instantiate_target, load_hf_checkpoint
+from whiflash_trt.models.contracts import Segment
 from whiflash_trt.models.target import TargetModel
 from whiflash_trt.runtime.kv_cache import BlockAllocator, KVLayout, KVPool
 from whiflash_trt.runtime.sequence import Sequence
-from whiflash_trt.runtime.target_runner import TargetRunner
+from whiflash_trt.runtime.target_runner import Feed, TargetRunner
 from whiflash_trt.spec.tree import DraftTree
 
 BLOCK_SIZE = 16
@@ -124,6 +125,26 @@ def test_tiny_target_rows_are_invariant_with_two_threads(tiny_targets, dtype, co
         torch.set_num_threads(before)
 
 
+def attend(q, k, v, segments, group):
+    return row_invariant_attention(q, k, v, key_layout(segments, group), q.shape[-1] ** -0.5)
+
+
+def layout_mask(start: int, t: int, parents: list[int] | None) -> torch.Tensor:
+    """[t, start + t]: t new rows after `start` context keys, as a chain (parents None) or a tree."""
+    mask = torch.ones(t, start + t, dtype=torch.bool)
+    if parents is None:
+        mask[:, start:] = torch.ones(t, t, dtype=torch.bool).tril()
+    else:
+        mask[:, start:] = DraftTree(list(range(t)), parents, tree_depths(parents)).mask()
+    return mask
+
+
+# (context keys, new rows, tree parents or None): a prefill of several row blocks, chains, trees, decodes
+LAYOUTS = ((0, 300, None), (70, 40, None), (CHUNK - 4, len(TREE_PARENTS), TREE_PARENTS), (130, 1, None),
+           (5, 1, None), (3 * CHUNK + 7, len(TREE_PARENTS), TREE_PARENTS), (CHUNK, 9, None),
+           (CHUNK + 2, len(TREE_PARENTS), TREE_PARENTS))  # batched with the first tree: the same key chunks
+
+
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_attention_rows_do_not_depend_on_the_other_rows(num_threads):
     """The attention alone: each row of a causal 40-row call, of a tree call and of a 300-row prefill (several row
@@ -133,23 +154,74 @@ def test_attention_rows_do_not_depend_on_the_other_rows(num_threads):
     try:
         gen = torch.Generator().manual_seed(0)
         heads, kv_heads, dim = 6, 2, 64
-        for start, t, parents in ((0, 300, None), (70, 40, None), (CHUNK - 4, len(TREE_PARENTS), TREE_PARENTS)):
+        for start, t, parents in LAYOUTS[:3]:
             s = start + t
             q = torch.randn(t, heads, dim, generator=gen).bfloat16()
             k, v = (torch.randn(s, kv_heads, dim, generator=gen).bfloat16() for _ in range(2))
-            mask = torch.ones(t, s, dtype=torch.bool)
-            if parents is None:
-                mask[:, start:] = torch.ones(t, t, dtype=torch.bool).tril()
-            else:
-                mask[:, start:] = DraftTree(list(range(t)), parents, tree_depths(parents)).mask()
-            out = row_invariant_attention(q, k, v, key_order(mask, heads // kv_heads), dim ** -0.5)
+            mask = layout_mask(start, t, parents)
+            out = attend(q, k, v, [Segment(torch.arange(s), mask)], heads // kv_heads)
             for i in range(t):
                 seen = mask[i].nonzero()[:, 0]
-                alone = row_invariant_attention(q[i:i + 1], k[seen], v[seen],
-                                                key_order(torch.ones(1, len(seen), dtype=torch.bool), 3), 0.125)
+                alone = attend(q[i:i + 1], k[seen], v[seen],
+                               [Segment(torch.arange(len(seen)), torch.ones(1, len(seen), dtype=torch.bool))], 3)
                 assert torch.equal(out[i:i + 1], alone), f"row {i} of a {t}-row call (keys from {start}) differs"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_attention_segments_equal_calls_of_their_own(dtype, num_threads):
+    """Several sequences in one call (prefill, chains, trees and decodes, over scattered pool slots): each one's rows
+    equal, bit for bit, the same sequence attended alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        heads, kv_heads, dim = 9, 3, 64
+        total = sum(start + t for start, t, _ in LAYOUTS)
+        k, v = (torch.randn(total, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+        slots = torch.randperm(total, generator=gen).split([start + t for start, t, _ in LAYOUTS])
+        segments = [Segment(s, layout_mask(start, t, parents)) for s, (start, t, parents) in zip(slots, LAYOUTS)]
+        q = torch.randn(sum(t for _, t, _ in LAYOUTS), heads, dim, generator=gen).to(dtype)
+        together = attend(q, k, v, segments, heads // kv_heads).split([t for _, t, _ in LAYOUTS])
+        rows = q.split([t for _, t, _ in LAYOUTS])
+        for i, (seg, q_i) in enumerate(zip(segments, rows)):
+            assert torch.equal(together[i], attend(q_i, k, v, [seg], heads // kv_heads)), f"segment {i} differs"
+            with_decode = attend(torch.cat([q_i, rows[3]]), k, v, [seg, segments[3]], heads // kv_heads)
+            assert torch.equal(together[i], with_decode[:len(q_i)]), f"segment {i} next to a decode differs"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_batched_target_step_equals_each_sequence_alone(tiny_targets, dtype):
+    """TargetRunner.step_many: decodes, a chain, a tree and a new prompt's prefill of several row blocks in one
+    target forward give each sequence the logits, hidden states and features of its own step."""
+    model = tiny_targets[dtype]
+    cfg = model.config
+    rng = random.Random(3)
+    allocator = BlockAllocator(256)
+    pool = KVPool(KVLayout("target", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype), 256, BLOCK_SIZE)
+    runner = TargetRunner(model, pool, capture_layers=(0, cfg.num_layers - 1))
+    feeds = []
+    for context, t, parents in ((CHUNK - 3, 1, None), (17, 9, None), (CHUNK + 5, len(TREE_PARENTS), TREE_PARENTS),
+                                (0, ROW_BLOCK + 30, None), (2 * CHUNK - 1, 1, None),
+                                (CHUNK + 9, len(TREE_PARENTS), TREE_PARENTS)):
+        seq = Sequence([1], allocator, BLOCK_SIZE)
+        seq.reserve(context + t)
+        if context:
+            tokens = [rng.randrange(cfg.vocab_size) for _ in range(context)]
+            runner.step(seq, tokens)
+            seq.commit(tokens, None)
+        new = [rng.randrange(cfg.vocab_size) for _ in range(t)]
+        tree = None if parents is None else DraftTree(new, parents, tree_depths(parents))
+        feeds.append(Feed(seq, new, tree and tree.depths, tree and tree.mask(), None if t < 100 else [t - 1]))
+    together = runner.step_many(feeds, capture=True)
+    for i, f in enumerate(feeds):
+        alone = runner.step(f.seq, f.tokens, f.depths, f.tree_mask, f.logits_rows, capture=True)
+        for name in ("logits", "hidden", "captured"):
+            assert torch.equal(getattr(together[i], name), getattr(alone, name)), f"feed {i}: {name} differs"
 
 
 @pytest.mark.slow

@@ -10,12 +10,19 @@ with the shape of the call. Here every reduction a row takes part in has a shape
   GEMV path that sums in another order; from MIN_ROWS rows up a row does not depend on the row count);
 - the softmax max is over all visible keys (a max is exact in any order), so chunks need no online rescaling;
 - chunk sums are added strictly in chunk order (cumsum), so the fully masked chunks of a longer call add exact zeros.
+
+A call may hold several sequences (segments, models.contracts.Segment): each row sees only its own segment's keys.
+Segments with similar row counts are attended as one batch: every GEMM above is then batched over the sequences and
+KV heads, and a batched GEMM sums each slice as the lone GEMM does, so a sequence's rows do not depend on the other
+sequences of the call either (tests/test_row_invariance.py holds both).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from whiflash_trt.models.contracts import Segment
 
 CHUNK = 64       # keys per chunk: every chunk reduction has this length
 ROW_BLOCK = 128  # query rows per pass over the keys (bounds the score memory of a long prefill)
@@ -26,117 +33,144 @@ MIN_ROWS = 3
 
 @dataclass
 class RowBlock:
-    """Query rows [start, end) and where their visible keys sit; the fp32 K/V buffers are filled by each layer."""
-    start: int
-    end: int
-    bias: torch.Tensor         # [rows * group, S_pad] fp32: 0 where logical key j of the row exists, else -inf
-    shared: int                # logical keys [0, shared) are read keys [0, shared) for every row (multiple of CHUNK)
-    tail: torch.Tensor | None  # [rows, S_pad - shared] read-key index of the later logical keys; None: read order
-    tail_scores: torch.Tensor | None  # tail per score row, [rows * group, S_pad - shared]
-    buffers: dict = field(default_factory=dict)  # "k", "v": [kv_heads, width, head_dim] fp32, zero past the keys
+    """Query rows [lo, hi) of B segments, padded to R rows each, and where their visible keys sit."""
+    q_rows: torch.Tensor      # [B, R] row of the call for each query; padding repeats the segment's first row here
+    out_index: torch.Tensor   # [n] the real queries among the B * R
+    out_rows: torch.Tensor    # [n] their rows in the call
+    slots: torch.Tensor       # [B, W] pool slots of each segment's read keys in read order; padding repeats its first
+    bias: torch.Tensor        # [B, 1, R * group, S_pad] fp32: 0 where logical key j of the row exists, else -inf
+    shared: int               # logical keys [0, shared) are read keys [0, shared) for every row (multiple of CHUNK)
+    tail: torch.Tensor | None  # [B, R, S_pad - shared] read-key index of the later logical keys; None: read order
+    tail_scores: torch.Tensor | None  # tail per score row, [B, 1, R * group, S_pad - shared]
+    buffers: dict = field(default_factory=dict)  # "k", "v": [B, kv_heads, W, head_dim (+1)] fp32, filled per layer
 
 
 @dataclass
-class KeyOrder:
-    """Built once per forward from the [T, S] mask; every layer's attention reads it."""
+class KeyLayout:
+    """Built once per forward from the segments; every layer's attention reads it."""
     blocks: list[RowBlock]
     group: int  # query heads per KV head
 
 
-def key_order(attn_mask: torch.Tensor, group: int) -> KeyOrder:
-    """attn_mask [T, S] bool over the read keys, which are in logical order for every row (True = may attend)."""
-    t, s = attn_mask.shape
-    dev = attn_mask.device
-    lengths = attn_mask.sum(-1)  # [T]
-    read_index = torch.arange(s, device=dev)
-    order = shared_all = None
-    if not torch.equal(attn_mask, read_index < lengths[:, None]):
-        # A tree: each row's visible keys first, in read order (a stable sort keeps it).
-        order = torch.sort((~attn_mask).to(torch.uint8), dim=-1, stable=True).indices  # [T, S]
-        same = (order == read_index) & (read_index < lengths[:, None])
-        shared_all = int(same.int().cumprod(-1).sum(-1).min()) // CHUNK * CHUNK
-    blocks = []
-    for start in range(0, t, ROW_BLOCK):
-        end = min(start + ROW_BLOCK, t)
-        rows = lengths[start:end]
-        s_pad = -(-int(rows.max()) // CHUNK) * CHUNK
-        bias = torch.zeros(end - start, s_pad, device=dev)
-        bias.masked_fill_(torch.arange(s_pad, device=dev) >= rows[:, None], float("-inf"))
-        bias = bias.repeat_interleave(group, 0)
-        if order is None:  # every row sees a prefix of the read keys (prefill, decode, chain)
-            blocks.append(RowBlock(start, end, bias, s_pad, None, None))
-            continue
-        shared = min(shared_all, s_pad)
-        tail = order[start:end, shared:s_pad]
-        if tail.shape[1] < s_pad - shared:  # logical slots past the last read key: masked, any key will do
-            tail = torch.nn.functional.pad(tail, (0, s_pad - shared - tail.shape[1]))
-        blocks.append(RowBlock(start, end, bias, shared, tail, tail.repeat_interleave(group, 0)))
-    return KeyOrder(blocks, group)
+def key_layout(segments: list[Segment], group: int) -> KeyLayout:
+    """Segments of more than ROW_BLOCK rows (prefills) in blocks of their own; the others batched by row count (the
+    next power of two), so a batch pads few rows, and trees also by key chunks, so their rows' own key orders start
+    at about the same chunk."""
+    first, blocks, buckets = 0, [], {}
+    for seg in segments:
+        rows, keys = seg.mask.shape
+        if rows > ROW_BLOCK:
+            blocks += [_row_block([seg], [first], lo, group) for lo in range(0, rows, ROW_BLOCK)]
+        else:
+            prefix = torch.equal(seg.mask, torch.arange(keys, device=seg.mask.device) < seg.mask.sum(-1)[:, None])
+            key = (1 << (rows - 1).bit_length(), 0 if prefix else -(-keys // CHUNK))
+            buckets.setdefault(key, []).append((seg, first))
+        first += rows
+    for members in buckets.values():
+        blocks.append(_row_block([s for s, _ in members], [f for _, f in members], 0, group))
+    return KeyLayout(blocks, group)
 
 
-def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: KeyOrder,
+def _row_block(segments: list[Segment], firsts: list[int], lo: int, group: int) -> RowBlock:
+    dev = segments[0].mask.device
+    counts = torch.tensor([min(seg.mask.shape[0] - lo, ROW_BLOCK) for seg in segments], device=dev)
+    b, r = len(segments), int(counts.max())
+    w = max(seg.read_slots.numel() for seg in segments)
+    mask = torch.zeros(b, r, w, dtype=torch.bool, device=dev)
+    slots = torch.empty(b, w, dtype=torch.long, device=dev)
+    q_rows = torch.empty(b, r, dtype=torch.long, device=dev)
+    for i, (seg, first) in enumerate(zip(segments, firsts)):
+        n, s = int(counts[i]), seg.read_slots.numel()
+        mask[i, :n, :s] = seg.mask[lo:lo + n]
+        mask[i, n:, :s] = seg.mask[lo]
+        slots[i, :s], slots[i, s:] = seg.read_slots, seg.read_slots[0]
+        q_rows[i, :n], q_rows[i, n:] = torch.arange(first + lo, first + lo + n, device=dev), first + lo
+    out_index = (torch.arange(r, device=dev) < counts[:, None]).flatten().nonzero()[:, 0]
+    lengths = mask.sum(-1)  # [B, R]
+    s_pad = -(-int(lengths.max()) // CHUNK) * CHUNK
+    width = max(s_pad, -(-w // CHUNK) * CHUNK)
+    slots = torch.cat([slots, slots[:, :1].expand(b, width - w)], 1)
+    logical = torch.arange(s_pad, device=dev)
+    bias = torch.zeros(b, r, s_pad, device=dev).masked_fill_(logical >= lengths[..., None], float("-inf"))
+    block = RowBlock(q_rows, out_index, q_rows.flatten()[out_index], slots,
+                     bias.repeat_interleave(group, 1)[:, None], s_pad, None, None)
+    if torch.equal(mask, torch.arange(w, device=dev) < lengths[..., None]):
+        return block  # every row sees a prefix of its read keys (prefill, decode, chain)
+    # A tree: each row's visible keys first, in read order (a stable sort keeps it).
+    order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices[..., :s_pad]
+    order = torch.nn.functional.pad(order, (0, s_pad - order.shape[-1]))  # past the read keys: masked, any key
+    same = (order == logical) & (logical < lengths[..., None])
+    block.shared = int(same.int().cumprod(-1).sum(-1).min()) // CHUNK * CHUNK
+    block.tail = order[..., block.shared:]
+    block.tail_scores = block.tail.repeat_interleave(group, 1)[:, None]
+    return block
+
+
+def row_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, keys: KeyLayout,
                             scale: float) -> torch.Tensor:
-    """q [T, heads, D]; k, v [S, kv_heads, D] read keys (after RoPE); -> [T, heads * D] in q's dtype."""
+    """q [T, heads, D]; k_pool, v_pool [slots, kv_heads, D] one layer's pool (the new K/V written; after RoPE)
+    -> [T, heads * D] in q's dtype."""
     t, heads, d = q.shape
-    kv_heads, group = k.shape[1], keys.group
-    # [kv_heads, T * group, D] fp32, rows ordered (token, head within the group)
-    qf = torch.empty(kv_heads, t, group, d, device=q.device)
-    qf.copy_(q.view(t, kv_heads, group, d).transpose(0, 1)).mul_(scale)
-    qf = qf.view(kv_heads, t * group, d)
-    out = torch.empty(t, kv_heads, group, d, dtype=q.dtype, device=q.device)
+    kv_heads, group = k_pool.shape[1], keys.group
+    out = torch.empty(t, heads * d, dtype=q.dtype, device=q.device)
     for blk in keys.blocks:
-        o = _attend(qf[:, blk.start * group:blk.end * group], k, v, blk)  # [kv, rows * group, D]
-        out[blk.start:blk.end].copy_(o.view(kv_heads, -1, group, d).transpose(0, 1))
-    return out.view(t, heads * d)
+        b, r = blk.q_rows.shape
+        # [B, kv_heads, R * group, D] fp32, rows ordered (token, head within the group)
+        qf = torch.empty(b, kv_heads, r, group, d, device=q.device)
+        qf.copy_(q[blk.q_rows.flatten()].view(b, r, kv_heads, group, d).transpose(1, 2)).mul_(scale)
+        o = _attend(qf.view(b, kv_heads, r * group, d), _fp32_buffer(k_pool, blk, "k"), _fp32_buffer(v_pool, blk, "v"),
+                    blk)
+        o = o.view(b, kv_heads, r, group, d).transpose(1, 2).reshape(b * r, heads * d)
+        out[blk.out_rows] = o[blk.out_index].to(q.dtype)
+    return out
 
 
-def _fp32_buffer(x: torch.Tensor, blk: RowBlock, name: str) -> torch.Tensor:
-    """x [S, kv, D] -> the block's [kv, width, D] fp32 buffer of the keys it reads, zero past them. The "v" buffer
-    has one more column of ones: the p.v GEMM then also sums p (the softmax denominator) in the same order."""
-    s = x.shape[0] if blk.tail is not None else min(x.shape[0], blk.bias.shape[1])
+def _fp32_buffer(pool: torch.Tensor, blk: RowBlock, name: str) -> torch.Tensor:
+    """The block's read keys -> [B, kv, W, D] fp32. The "v" buffer has one more column of ones: the p.v GEMM then
+    also sums p (the softmax denominator) in the same order."""
+    b, w = blk.slots.shape
+    kv, d = pool.shape[1:]
     buf = blk.buffers.get(name)
     if buf is None:
-        width = max(blk.bias.shape[1], -(-s // CHUNK) * CHUNK)
-        buf = x.new_zeros(x.shape[1], width, x.shape[2] + (name == "v"), dtype=torch.float32)
+        buf = pool.new_empty(b, kv, w, d + (name == "v"), dtype=torch.float32)
         if name == "v":
             buf[..., -1] = 1
         blk.buffers[name] = buf
-    buf[:, :s, :x.shape[2]].copy_(x[:s].transpose(0, 1))
+    buf[..., :d].copy_(pool.index_select(0, blk.slots.flatten()).view(b, w, kv, d).transpose(1, 2))
     return buf
 
 
-def _attend(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: RowBlock) -> torch.Tensor:
-    """qf [kv, M, D] (M = rows * group, scaled) -> [kv, M, D] fp32."""
-    kv, m, d = qf.shape
-    s, s_pad = k.shape[0], blk.bias.shape[1]
-    kf, vf = _fp32_buffer(k, blk, "k"), _fp32_buffer(v, blk, "v")  # [kv, width, D], [kv, width, D + 1]
+def _attend(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, blk: RowBlock) -> torch.Tensor:
+    """qf [B, kv, M, D] (M = rows * group, scaled); kf [B, kv, W, D]; vf [B, kv, W, D + 1] -> [B, kv, M, D] fp32."""
+    b, kv, m, d = qf.shape
+    s_pad = blk.bias.shape[-1]
     chunks, shared_chunks = s_pad // CHUNK, blk.shared // CHUNK
     if blk.tail is None:
-        scores = _mm(qf, kf[:, :s_pad].transpose(1, 2), blk.bias)  # [kv, M, S_pad]
-    else:
-        # score every read key once, then pick each row's own logical order
-        every = _mm(qf, kf[:, :s].transpose(1, 2))  # [kv, M, S]
-        late = every.gather(-1, blk.tail_scores.expand(kv, -1, -1))
+        scores = _mm(qf, kf[:, :, :s_pad].transpose(-1, -2)).add_(blk.bias)  # [B, kv, M, S_pad]
+    else:  # score every read key once, then pick each row's own logical order
+        every = _mm(qf, kf.transpose(-1, -2))  # [B, kv, M, W]
+        late = every.gather(-1, blk.tail_scores.expand(-1, kv, -1, -1))
         scores = torch.cat([every[..., :blk.shared], late], -1).add_(blk.bias)
-    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [kv, M, S_pad]; masked keys give exact zeros
-    p = p.view(kv, m, chunks, CHUNK).transpose(1, 2)  # [kv, chunks, M, CHUNK]
+    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # masked keys give exact zeros
+    p = p.unflatten(-1, (chunks, CHUNK)).transpose(2, 3)  # [B, kv, chunks, M, CHUNK]
     # per chunk: [sum of p.v, sum of p]
-    parts = _mm(p[:, :shared_chunks], vf[:, :blk.shared].view(kv, shared_chunks, CHUNK, d + 1))
-    if blk.tail is not None:
-        rows, tail_chunks = blk.tail.shape[0], chunks - shared_chunks
-        v_rows = vf[:, blk.tail].view(kv, rows, tail_chunks, CHUNK, d + 1)  # each row's own later values
-        p_rows = p[:, shared_chunks:].reshape(kv, tail_chunks, rows, m // rows, CHUNK).transpose(1, 2)
-        late = _mm(p_rows, v_rows)  # [kv, rows, tail chunks, group, D + 1]
-        parts = torch.cat([parts, late.transpose(1, 2).reshape(kv, tail_chunks, m, d + 1)], 1)
-    total = parts.cumsum(1)[:, -1]  # chunk sums added in chunk order: [kv, M, D + 1]
+    parts = _mm(p[:, :, :shared_chunks], vf[:, :, :blk.shared].unflatten(2, (shared_chunks, CHUNK)))
+    if blk.tail is not None:  # each row's own later values
+        rows, tail_chunks = blk.tail.shape[1], chunks - shared_chunks
+        seg = torch.arange(b, device=qf.device)[:, None, None]
+        v_rows = vf.transpose(1, 2)[seg, blk.tail].permute(0, 3, 1, 2, 4)  # [B, kv, R, S_pad - shared, D + 1]
+        v_rows = v_rows.unflatten(3, (tail_chunks, CHUNK))
+        p_rows = p[:, :, shared_chunks:].unflatten(3, (rows, m // rows)).transpose(2, 3)  # [B, kv, R, tail, group, C]
+        late = _mm(p_rows, v_rows)  # [B, kv, R, tail chunks, group, D + 1]
+        parts = torch.cat([parts, late.transpose(2, 3).flatten(3, 4)], 2)
+    total = parts.cumsum(2)[:, :, -1]  # chunk sums added in chunk order: [B, kv, M, D + 1]
     return total[..., :d] / total[..., d:]
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """bias + a @ b with at least MIN_ROWS rows, so each row is summed as in any larger call."""
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with at least MIN_ROWS rows, so each row is summed as in any larger call."""
     rows = a.shape[-2]
-    if rows < MIN_ROWS:
-        a = torch.cat([a] + [a[..., :1, :]] * (MIN_ROWS - rows), -2)
-        bias = None if bias is None else torch.cat([bias] + [bias[..., :1, :]] * (MIN_ROWS - rows), -2)
-    out = a @ b if bias is None else torch.baddbmm(bias, a, b)
-    return out if rows >= MIN_ROWS else out[..., :rows, :]
+    if rows >= MIN_ROWS:
+        return a @ b
+    a = torch.cat([a] + [a[..., :1, :]] * (MIN_ROWS - rows), -2)
+    return (a @ b)[..., :rows, :]

@@ -23,6 +23,14 @@ class TargetOutput:
     captured: torch.Tensor | None  # [T, len(capture_layers) * hidden] outputs of the requested layers, concatenated
 
 
+@dataclass
+class Segment:
+    """One sequence's part of a batched target forward: its rows (the call's next mask.shape[0] rows) see only the
+    keys at `read_slots` [S] (pool slots in logical order) that `mask` [rows, S] bool allows."""
+    read_slots: torch.Tensor
+    mask: torch.Tensor
+
+
 def feature_columns(layers: tuple[int, ...], captured: tuple[int, ...], hidden_size: int) -> torch.Tensor:
     """Columns of the features of `layers` inside a capture of the `captured` layers (TargetOutput.captured:
     [T, len(captured) * H], concatenated in `captured` order) -> [len(layers) * H] int64."""
@@ -47,6 +55,13 @@ class Target(Protocol):
                  capture_layers: tuple[int, ...] = (), logits_indices: torch.Tensor | None = None) -> TargetOutput:
         """ids, positions, write_slots [T]; read_slots [S]; attn_mask [T, S] bool; logits at `logits_indices`
         (None = every row); outputs of `capture_layers` concatenated in TargetOutput.captured."""
+
+    def forward_segments(self, input_ids: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, write_slots: torch.Tensor, segments: list[Segment],
+                         capture_layers: tuple[int, ...] = (),
+                         logits_indices: torch.Tensor | None = None) -> TargetOutput:
+        """Several sequences in one call: the rows of segments[i] follow those of segments[:i] and see only their
+        own keys. Each row's result equals the same row in a call of its own."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from whiflash_trt.config import ModelConfig, RopeConfig
-from whiflash_trt.models.attention import key_order
-from whiflash_trt.models.contracts import Eagle3
+from whiflash_trt.models.attention import key_layout
+from whiflash_trt.models.contracts import Eagle3, Segment
 from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU
 from whiflash_trt.models.target import Attention
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill
@@ -96,8 +96,8 @@ class Eagle3Drafter(nn.Module, Eagle3):
         layer = self.midlayer
         cos, sin = self.rotary(positions, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        keys = key_order(attn_mask, self.config.num_heads // self.config.num_kv_heads)
-        h = hidden + layer.self_attn(x, cos, sin, k_cache[0], v_cache[0], write_slots, read_slots, keys)
+        keys = key_layout([Segment(read_slots, attn_mask)], self.config.num_heads // self.config.num_kv_heads)
+        h = hidden + layer.self_attn(x, cos, sin, k_cache[0], v_cache[0], write_slots, keys)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from whiflash_trt.config import ModelConfig
-from whiflash_trt.models.attention import KeyOrder, key_order, row_invariant_attention
-from whiflash_trt.models.contracts import Target, TargetOutput
+from whiflash_trt.models.attention import KeyLayout, key_layout, row_invariant_attention
+from whiflash_trt.models.contracts import Segment, Target, TargetOutput
 from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear
 
 
@@ -66,12 +66,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, keys: KeyOrder):
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, keys: KeyLayout):
         q, k, v = self.project(x, cos, sin)
         k_pool.index_copy_(0, write_slots, k)
         v_pool.index_copy_(0, write_slots, v)
-        k_read, v_read = k_pool.index_select(0, read_slots), v_pool.index_select(0, read_slots)
-        out = row_invariant_attention(q, k_read, v_read, keys, self.scale)
+        out = row_invariant_attention(q, k_pool, v_pool, keys, self.scale)
         return row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
@@ -83,8 +82,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, read_slots, keys: KeyOrder):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, write_slots, read_slots, keys)
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, keys: KeyLayout):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, write_slots, keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,14 +132,21 @@ class TargetModel(nn.Module, Target):
         capture_layers: tuple[int, ...] = (),
         logits_indices: torch.Tensor | None = None,  # rows of T to compute logits for; None = all
     ) -> TargetOutput:
+        """One sequence's new tokens."""
+        return self.forward_segments(input_ids, positions, k_cache, v_cache, write_slots,
+                                     [Segment(read_slots, attn_mask)], capture_layers, logits_indices)
+
+    def forward_segments(self, input_ids, positions, k_cache, v_cache, write_slots, segments: list[Segment],
+                         capture_layers: tuple[int, ...] = (), logits_indices=None) -> TargetOutput:
         """Each row's result depends only on its token, position and visible keys, never on the other rows of the
-        call: a verify row equals, bit for bit, the same position fed alone (see models/attention.py)."""
+        call: a verify row equals, bit for bit, the same position fed alone, and a sequence's rows in a batch equal
+        its rows in a call of its own (see models/attention.py)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        keys = key_order(attn_mask, self.config.num_heads // self.config.num_kv_heads)
+        keys = key_layout(segments, self.config.num_heads // self.config.num_kv_heads)
         captured = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, read_slots, keys)
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, keys)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x))
         rows = x if logits_indices is None else x.index_select(0, logits_indices)

@@ -12,7 +12,7 @@ import torch
 
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.errors import WhiflashError
-from whiflash_trt.models.contracts import DFlash, Eagle3, Target, TargetOutput, feature_columns
+from whiflash_trt.models.contracts import DFlash, Eagle3, Segment, Target, TargetOutput, feature_columns
 from whiflash_trt.models.dflash import DFlashConfig
 from whiflash_trt.models.eagle3 import Eagle3Config
 
@@ -64,6 +64,21 @@ class GraphTarget(Target):
             cols = feature_columns(tuple(capture_layers), self.capture_layers, self.config.hidden_size)
             feats = feats[:, cols.to(feats.device)]
         return TargetOutput(logits=logits, hidden=hidden, captured=feats)
+
+    def forward_segments(self, input_ids, positions, k_cache, v_cache, write_slots, segments: list[Segment],
+                         capture_layers: tuple[int, ...] = (), logits_indices=None) -> TargetOutput:
+        """The exported step takes one sequence: one call per segment (logits_indices ascending)."""
+        outs, first = [], 0
+        for seg in segments:
+            rows = slice(first, first + seg.mask.shape[0])
+            own = None
+            if logits_indices is not None:
+                own = logits_indices[(logits_indices >= rows.start) & (logits_indices < rows.stop)] - first
+            outs.append(self(input_ids[rows], positions[rows], k_cache, v_cache, write_slots[rows], seg.read_slots,
+                             seg.mask, capture_layers, own))
+            first = rows.stop
+        captured = None if outs[0].captured is None else torch.cat([o.captured for o in outs])
+        return TargetOutput(torch.cat([o.logits for o in outs]), torch.cat([o.hidden for o in outs]), captured)
 
 
 class GraphEagle3(Eagle3):
