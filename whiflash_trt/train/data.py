@@ -147,6 +147,7 @@ def generate_data(opts: DataOptions) -> Path:
         if not (out / MANIFEST).is_file():
             _write_manifest(out, read_manifest(root) | {"shards": [], "split": opts.split})
     model, tokenizer = load_target(opts.target, opts.dtype)
+    model.fuse_projections()   # the engine's layout: the data's bits are the runtime's
     n = model.config.num_layers
     capture = opts.capture_layers or default_capture_layers(n)
     if (out / MANIFEST).is_file():
