@@ -203,7 +203,7 @@ def test_engine_returns_every_block_after_finished_and_failed_requests(tiny_chec
     assert allocator.num_blocks == 12
     requests = [  # (prompt length, max_new_tokens, expected outcome)
         (10, 20, "ok"),
-        (30, 30, KVCacheExhausted),     # prefill fits, exhausted mid-generation
+        (30, 30, KVCacheExhausted),     # the prompt fits, its whole length does not: refused before prefill
         (60, 1, KVCacheExhausted),      # prefill alone does not fit
         (40, 8, "ok"),                  # exactly the 48 slots (the last new token is never cached)
         (5, 30, CallbackFailed),        # the streaming consumer fails mid-generation
@@ -221,6 +221,5 @@ def test_engine_returns_every_block_after_finished_and_failed_requests(tiny_chec
             else:
                 with pytest.raises(expected):
                     engine.generate(prompt, gen, on_tokens=callback)
-                if length == 30:
-                    assert len(streamed) == 48 - 30 + 1, "exhaustion should come mid-generation"
+                assert streamed == [], "a request is refused before any output, never cut off mid-generation"
             assert allocator.num_free == allocator.num_blocks, f"blocks leaked by request {length, max_new}"

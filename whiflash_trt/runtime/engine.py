@@ -16,33 +16,21 @@ import torch
 
 from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, CacheConfig, GenerationConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.models.contracts import TargetOutput
 from whiflash_trt.runtime.drafters import PROPOSERS, Proposer
 from whiflash_trt.runtime.kv_cache import KVCache, KVCacheExhausted, kv_layouts
 from whiflash_trt.runtime.loading import EngineParts, load_parts
 from whiflash_trt.runtime import tokenizer_policy
 from whiflash_trt.runtime.policy import resolve_spec
-from whiflash_trt.runtime.request import Request
+from whiflash_trt.runtime.request import GenerationResult, Request
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.runtime.stopping import StopChecker
-from whiflash_trt.runtime.target_runner import TargetRunner
+from whiflash_trt.runtime.target_runner import Feed, TargetRunner
 from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, EntropyRouter, NeuralRouter, RouteSignal, Router,
                                       entropy_of)
 from whiflash_trt.spec.sampling import next_token, target_probs
 from whiflash_trt.spec.tree import DraftTree
 from whiflash_trt.spec.verify import verify_greedy, verify_sampling
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    prompt_tokens: int
-    finish_reason: str
-    stats: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": self.prompt_tokens,
-                "finish_reason": self.finish_reason, "stats": self.stats}
 
 
 class Engine:
@@ -135,44 +123,18 @@ class Engine:
                  spec: SpecConfig | None = None) -> GenerationResult:
         """Generate with the mode in `spec` (default: the engine's own, see resolve_spec). Greedy output equals
         target-only output token for token; sampled output has the target's distribution. `on_tokens` receives each
-        round's newly final tokens (streaming)."""
-        req = self._request(prompt_ids, gen, self.resolve_spec(spec))
-        start = time.perf_counter()
-        try:
-            self._prefill(req)
-            prefill_s = time.perf_counter() - start
-            output, emitted = [req.seq.pending], 0
-            decision = req.stopper.check(output, 1)
-            while True:
-                if on_tokens and decision.keep > emitted:
-                    on_tokens(output[emitted:decision.keep])
-                    emitted = decision.keep
-                if decision.reason is not None:
-                    break
-                new = self._round(req)
-                output += new
-                decision = req.stopper.check(output, len(new))
-        except KVCacheExhausted as e:
-            total = len(prompt_ids) + gen.max_new_tokens
-            needed = self._budget_mb_for(total, req.proposers.values())
-            raise KVCacheExhausted(f"{e} at {req.seq.num_committed} of this request's up to {total} tokens; on its "
-                                   f"own it needs {needed} MB of KV memory", needed) from None
-        finally:
-            req.seq.free()
-        seconds = time.perf_counter() - start
-        tokens = output[:decision.keep]
-        result_stats = {"mode": req.spec.mode, "rounds": len(req.stats.taus), "new_tokens": len(tokens),
-                        "seconds": round(seconds, 4), "prefill_seconds": round(prefill_s, 4),
-                        "tokens_per_s": round(len(tokens) / seconds, 2) if seconds > 0 else 0.0,
-                        "threads": torch.get_num_threads()}
-        if req.router is not None:
-            result_stats.update(router=req.spec.router, threshold=req.router.threshold, catch_up=req.spec.catch_up)
-        result_stats.update(req.stats.to_dict())
-        return GenerationResult(tokens, req.stopper.final_text(tokens, decision.reason), len(prompt_ids),
-                                decision.reason, result_stats)
+        round's newly final tokens (streaming). A batch of one (runtime.batch runs many)."""
+        from whiflash_trt.runtime.batch import Batch
 
-    def _request(self, prompt_ids: list[int], gen: GenerationConfig, spec: SpecConfig) -> Request:
+        batch = Batch(self)
+        req = batch.submit(self.request(prompt_ids, gen, spec, on_tokens))
+        batch.run()
+        return req.result()
+
+    def request(self, prompt_ids: list[int], gen: GenerationConfig, spec: SpecConfig | None = None,
+                on_tokens: Callable[[list[int]], None] | None = None) -> Request:
         """A checked prompt's state before prefill (nothing allocated yet)."""
+        spec = self.resolve_spec(spec)
         proposers, router = self.proposers_for(spec), self.router_for(spec)
         max_pos, vocab = self.target.config.max_position_embeddings, self.target.config.vocab_size
         if not prompt_ids:
@@ -185,26 +147,37 @@ class Engine:
         generator.manual_seed(gen.sampling.seed if gen.sampling.seed is not None else torch.seed())
         stopper = StopChecker(gen, self.eos_ids, self.decode, max_pos - len(prompt_ids))
         seq = Sequence(prompt_ids, self.kv.allocator, self.kv.block_size)
-        return Request(seq, gen, spec, proposers, router, generator, stopper)
+        return Request(seq, gen, spec, proposers, router, generator, stopper, on_tokens)
 
-    def _budget_mb_for(self, num_tokens: int, proposers) -> int:
-        """KV memory (MB, rounded up) one request of `num_tokens` needs, a round's draft slots included."""
-        slack = max((_slots_per_round(p) for p in proposers), default=1)
-        blocks = -(-(num_tokens + slack) // self.kv.block_size)
+    def slots_needed(self, req: Request) -> int:
+        """KV slots `req` can ever use: a round starts with at most prompt + limit - 2 tokens committed (the output,
+        its pending bonus included, is still below the limit) and writes its draft past them."""
+        prompt = len(req.seq.prompt_ids)
+        limit = min(req.gen.max_new_tokens, self.target.config.max_position_embeddings - prompt)
+        slack = max((_slots_per_round(p) for p in req.proposers.values()), default=1)
+        return max(prompt, prompt + limit - 2 + slack)
+
+    def kv_mb(self, num_slots: int) -> int:
+        """KV memory (MB, rounded up) that `num_slots` slots take in every pool."""
+        blocks = -(-num_slots // self.kv.block_size)
         return -(-blocks * self.kv.bytes_per_block_id // 2**20)
 
-    def _prefill(self, req: Request) -> None:
-        """Target over the prompt; every drafter of the mode starts at frontier 0 with the whole prompt as backlog
-        (its KV-only prefill runs when it is first chosen, or every round with eager catch-up)."""
-        seq, prompt = req.seq, req.seq.prompt_ids
-        seq.reserve(len(prompt))
-        out = self.runner.step(seq, prompt, logits_rows=[len(prompt) - 1], capture=bool(req.proposers))
-        bonus = next_token(out.logits[-1], req.gen.sampling, req.generator)
-        seq.commit(prompt, bonus, out.captured, {name: 0 for name in req.proposers})
-        req.signal = RouteSignal(entropy_of(out.logits[-1]), out.hidden[-1])
+    def prefill_feed(self, req: Request) -> Feed:
+        prompt = req.seq.prompt_ids
+        req.seq.reserve(len(prompt))
+        return Feed(req.seq, prompt, logits_rows=[len(prompt) - 1])
 
-    def _round(self, req: Request) -> list[int]:
-        """route -> catch up -> propose -> verify -> commit; -> the new output tokens (accepted drafts, new bonus)."""
+    def prefilled(self, req: Request, out: TargetOutput) -> None:
+        """Commit the prompt. Every drafter of the mode starts at frontier 0 with the whole prompt as backlog (its
+        KV-only prefill runs when it is first chosen, or every round with eager catch-up)."""
+        seq = req.seq
+        bonus = next_token(out.logits[-1], req.gen.sampling, req.generator)
+        seq.commit(seq.prompt_ids, bonus, out.captured if req.proposers else None, {name: 0 for name in req.proposers})
+        req.signal = RouteSignal(entropy_of(out.logits[-1]), out.hidden[-1])
+        req.extend([bonus])
+
+    def draft(self, req: Request) -> "Draft":
+        """route -> catch up -> propose: the tree this round verifies (the pending bonus alone when no drafter)."""
         seq, proposers, stats = req.seq, req.proposers, req.stats
         times, t0 = {}, time.perf_counter()
         # route
@@ -230,28 +203,41 @@ class Engine:
             seq.reserve(n + _slots_per_round(proposer))
             proposal = proposer.propose(seq)
             tree, frontiers[proposer.name] = proposal.tree, proposal.frontier
-        t3 = time.perf_counter()
-        times["draft"] = t3 - t2
-        # verify
-        chain = tree.is_chain
-        out = self.runner.step(seq, tree.tokens, depths=None if chain else tree.depths,
-                               tree_mask=None if chain else tree.mask(), capture=bool(proposers))
+        times["draft"] = time.perf_counter() - t2
+        return Draft(proposer.name if proposer else "none", tree, frontiers, times)
+
+    def verify_feed(self, req: Request, draft: "Draft") -> Feed:
+        chain = draft.tree.is_chain
+        return Feed(req.seq, draft.tree.tokens, None if chain else draft.tree.depths,
+                    None if chain else draft.tree.mask())
+
+    def commit(self, req: Request, draft: "Draft", out: TargetOutput, verify_seconds: float) -> None:
+        """Walk the target's choices through the tree, keep the accepted path's K/V and features, set the next bonus
+        and route signal, and hand the new tokens to the request."""
+        seq, tree, t0 = req.seq, draft.tree, time.perf_counter()
         sampling = req.gen.sampling
         verdict = (verify_greedy(tree, out.logits) if sampling.greedy
                    else verify_sampling(tree, target_probs(out.logits, sampling), req.generator))
-        t4 = time.perf_counter()
-        times["verify"] = t4 - t3
-        # commit
-        if not chain:
+        t1 = time.perf_counter()
+        if not tree.is_chain:
             self.runner.pool.copy_slots(*seq.compaction(verdict.path))
         path = torch.tensor(verdict.path, device=self.device)
-        features = None if out.captured is None else out.captured.index_select(0, path)
-        seq.commit(verdict.tokens, verdict.bonus, features, frontiers)
+        features = out.captured.index_select(0, path) if req.proposers and out.captured is not None else None
+        seq.commit(verdict.tokens, verdict.bonus, features, draft.frontiers)
         last = verdict.path[-1]
         req.signal = RouteSignal(entropy_of(out.logits[last]), out.hidden[last])
-        times["commit"] = time.perf_counter() - t4
-        stats.record(proposer.name if proposer else "none", verdict.num_accepted, times)
-        return verdict.tokens[1:] + [verdict.bonus]
+        times = draft.times | {"verify": verify_seconds + t1 - t0, "commit": time.perf_counter() - t1}
+        req.stats.record(draft.drafter, verdict.num_accepted, times)
+        req.extend(verdict.tokens[1:] + [verdict.bonus])
+
+
+@dataclass
+class Draft:
+    """What a round's draft phase hands to verify and commit."""
+    drafter: str                     # the proposer's name, "none" for a target-only round
+    tree: DraftTree
+    frontiers: dict[str, int]        # drafter frontiers the round reached (catch-up and propose)
+    times: dict[str, float]          # seconds of route, catch_up, draft
 
 
 def _slots_per_round(proposer: Proposer) -> int:
