@@ -46,17 +46,24 @@ def _accepted(accepted: dict[str, list[int]], choice: str, i: int) -> int:
     return 0 if choice == NO_DRAFT else accepted[choice][i]
 
 
-def solve(accepted: dict[str, list[int]], costs: dict[str, float]) -> Plan:
-    """The optimal routing of one output. `accepted[d][i]`: drafter d's accepted drafts at state i, for the M - 1
-    states 0..M-2 that need a round; `costs[d]` seconds per round of d, "none" included."""
+def optimal(accepted: dict[str, list[int]], costs: dict[str, float]) -> tuple[list[float], list[str]]:
+    """(V(i) for i in 0..M-1, the optimal choice at every state 0..M-2) for one output. `accepted[d][i]`: drafter
+    d's accepted drafts at state i, for the M - 1 states that need a round; `costs[d]` seconds per round of d,
+    "none" included (an infinite cost takes a choice out)."""
     num_states = _check(accepted, costs)
     names = [c for c in CHOICES if c == NO_DRAFT or c in accepted]
-    value = [0.0] * (num_states + 1)           # value[i] = V(i); value[M - 1] = 0
+    value = [0.0] * (num_states + 1)           # value[M - 1] = 0
     best = [NO_DRAFT] * num_states
     for i in range(num_states - 1, -1, -1):
         options = [(costs[d] + value[min(i + _accepted(accepted, d, i) + 1, num_states)], d) for d in names]
         value[i], best[i] = min(options, key=lambda o: o[0])   # min keeps the first of equal options
-    return Plan(value[0], tuple(_walk(num_states, accepted, lambda i: best[i])), num_states)
+    return value, best
+
+
+def solve(accepted: dict[str, list[int]], costs: dict[str, float]) -> Plan:
+    """The optimal routing of one output (see optimal) as the rounds it runs."""
+    value, best = optimal(accepted, costs)
+    return Plan(value[0], tuple(_walk(len(best), accepted, lambda i: best[i])), len(best))
 
 
 def replay(accepted: dict[str, list[int]], costs: dict[str, float], choose: Callable[[int], str]) -> Plan:
