@@ -142,7 +142,7 @@ def bench_run(bench_engine_dir, tmp_path_factory):
     # test_lazy_catch_up_survives_a_first_switch for the lazy default.
     rc = main(["--engine", str(bench_engine_dir), "--categories", CATS, "--modes", ",".join(BASE_MODES),
                "--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "fp32", "--catch-up", "eager",
-               "--threshold-sweep", "--entropy-thresholds", "1", "--neural-thresholds", "-0.5",
+               "--threshold-sweep", "--entropy-thresholds", "1", "--neural-thresholds", "-0.5", "--oracle",
                "--out", str(out), "--no-progress"])
     return rc, out, json.loads((out / "results.json").read_text())
 
@@ -151,7 +151,7 @@ def test_bench_writes_results_json_with_every_section(bench_run):
     rc, _, results = bench_run
     assert rc == 0
     for key in ("command_line", "options", "environment", "engine", "prompts", "modes", "summary", "lossless",
-                "threshold_sweep", "goals", "records", "plots"):
+                "threshold_sweep", "oracle", "goals", "records", "plots"):
         assert key in results, key
     assert len(results["engine"]["manifest_sha256"]) == 64
     assert results["environment"]["versions"]["torch"] == torch.__version__
@@ -185,11 +185,44 @@ def test_bench_every_mode_matches_ar_on_the_tiny_engine_in_fp32(bench_run):
 def test_bench_results_md_has_the_tables(bench_run):
     md = (bench_run[1] / "results.md").read_text()
     for heading in ("## Acceptance and speed", "## Routing and switching", "## Time per phase",
-                    "## Losslessness", "## Router threshold sweep", "## Goals"):
+                    "## Losslessness", "## Oracle headroom", "## Router threshold sweep", "## Goals"):
         assert heading in md
     for cat in CATEGORIES:
         for mode in BASE_MODES:
             assert f"| {cat} | {mode} |" in md
+
+
+def test_oracle_replay_reproduces_the_static_runs_and_its_dp_beats_brute_force(bench_run):
+    from test_oracle import _brute_force
+
+    from whiflash_trt.bench.oracle import CHOICES, STATIC, replay, solve
+
+    results = bench_run[2]
+    oracle = results["oracle"]
+    costs = oracle["round_seconds"]
+    assert set(costs) == set(CHOICES) and all(c > 0 for c in costs.values())
+    runs = {(r["prompt_id"], r["mode"]): r for r in results["records"]}
+    for p in oracle["prompts"]:
+        acc = p["accepted"]
+        assert p["new_tokens"] == len(runs[(p["prompt_id"], "ar")]["token_ids"])
+        assert all(len(a) == p["new_tokens"] - 1 for a in acc.values())
+        # The replayed drafters accept what the engine's own static runs accepted, round by round (fp32).
+        for choice in ("eagle3", "dflash"):
+            trace = [t for _, t in runs[(p["prompt_id"], STATIC[choice])]["stats"]["trace"]]
+            walked = replay(acc, costs, lambda i, c=choice: c)
+            i, taus = 0, []
+            for _ in walked.choices:
+                taus.append(acc[choice][i] + 1)
+                i += taus[-1]
+            assert taus[:-1] == trace[:len(taus) - 1] and taus[-1] <= trace[len(taus) - 1]
+        # Same costs: the oracle is the brute-force optimum and no static mode beats it.
+        assert p["seconds"] == pytest.approx(_brute_force(acc, costs)) == pytest.approx(solve(acc, costs).seconds)
+        assert all(p["seconds"] <= s + 1e-12 for s in p["static_seconds"].values())
+    for cat, cell in oracle["categories"].items():
+        assert sum(cell["round_share"].values()) == pytest.approx(1.0)
+        assert all(cell["decode_tokens_per_s"] >= t for t in cell["replayed_decode_tokens_per_s"].values())
+        assert cell["gain_over_best_replayed"] >= 1.0
+        assert set(cell["measured_tokens_per_s"]) >= set(BASE_MODES)
 
 
 def _png_size(path) -> tuple[int, int]:

@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
                    help='JSON lines {"prompt": ..., "category": ..., "id": ...} instead of the built-in sets')
     p.add_argument("--threshold-sweep", action="store_true",
                    help="also run the routed modes at a handful of other router thresholds")
+    p.add_argument("--oracle", action="store_true",
+                   help="also the oracle's headroom: the best per-round routing, from both drafters run at every "
+                        "position of the ar output and the measured round costs (needs ar, eagle3, dflash)")
     p.add_argument("--entropy-thresholds", type=_floats, help="sweep points for whiflash-entropy (nats)")
     p.add_argument("--neural-thresholds", type=_floats, help="sweep points for whiflash-neural (predicted dAL); "
                                                              "with a negative first value write =, e.g. "
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = BenchOptions(
             out=args.out, engine=args.engine, categories=args.categories, modes=args.modes,
             num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, prompts_file=args.prompts_file,
-            dtype=args.dtype, warmup=args.warmup, threshold_sweep=args.threshold_sweep,
+            dtype=args.dtype, warmup=args.warmup, threshold_sweep=args.threshold_sweep, oracle=args.oracle,
             entropy_thresholds=args.entropy_thresholds, neural_thresholds=args.neural_thresholds,
             near_tie=args.near_tie, kv_budget_mb=args.kv_budget_mb, threads=args.threads,
             show_progress=not args.no_progress,

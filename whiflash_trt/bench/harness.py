@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from whiflash_trt.bench.modes import BASE_MODES, BenchMode, base_mode, sweep_points
 from whiflash_trt.bench.prompts import BenchPrompt
-from whiflash_trt.config import AR, WHIFLASH, GenerationConfig, SpecConfig
+from whiflash_trt.config import AR, DFLASH, EAGLE3, WHIFLASH, GenerationConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
 
 WARMUP_TOKENS = 16
@@ -33,6 +33,7 @@ class BenchOptions:
     dtype: str = "bf16"
     warmup: int = 1                         # prompts run (untimed) in every mode before measuring
     threshold_sweep: bool = False
+    oracle: bool = False                    # also the oracle's headroom (bench.oracle): drafters at every position
     entropy_thresholds: tuple[float, ...] | None = None
     neural_thresholds: tuple[float, ...] | None = None
     near_tie: float | None = None           # None: lossless.NEAR_TIE[dtype]
@@ -51,6 +52,8 @@ class BenchOptions:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if AR not in self.modes:
             raise ValueError("the modes must include ar: it is the baseline of speedups and of the lossless check")
+        if self.oracle and not {AR, EAGLE3, DFLASH} <= set(self.modes):
+            raise ValueError("--oracle needs the ar, eagle3 and dflash modes: their measured rounds are its costs")
         if len(set(self.modes)) != len(self.modes):
             raise ValueError(f"modes repeat: {', '.join(self.modes)}")
 
@@ -128,7 +131,7 @@ def run_prompts(engine, prompts: list[BenchPrompt], ids: dict[str, list[int]], m
 
 def run_benchmark(opts: BenchOptions) -> dict:
     """Load, run, check, summarise; write results.json, results.md and the plots into opts.out. -> results."""
-    from whiflash_trt.bench import environment, goals, plots, report
+    from whiflash_trt.bench import environment, goals, oracle, plots, report
     from whiflash_trt.bench.lossless import NEAR_TIE, check_lossless
     from whiflash_trt.bench.prompts import load_prompts, prompt_set_digest
     from whiflash_trt.bench.summary import summarize, threshold_sweep
@@ -151,6 +154,7 @@ def run_benchmark(opts: BenchOptions) -> dict:
     tolerance = opts.near_tie if opts.near_tie is not None else NEAR_TIE[opts.dtype]
     lossless = check_lossless(records, ids, engine.target_logits, tolerance)
     summary = summarize(records)
+    headroom = oracle.evaluate(engine, records, ids, summary, opts.spec, opts.show_progress) if opts.oracle else None
     results = {
         "schema": "whiflash-bench-v1",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -165,6 +169,7 @@ def run_benchmark(opts: BenchOptions) -> dict:
         "summary": summary,
         "roofline": limit,
         "lossless": lossless,
+        "oracle": headroom,
         "threshold_sweep": threshold_sweep(records, modes) if opts.threshold_sweep else None,
         "goals": goals.evaluate(summary),
         "records": records,

@@ -50,6 +50,8 @@ def _cells(results: dict, skip_ar: bool = False):
 
 def render(results: dict) -> str:
     parts = [_setup(results), _headline(results), _routing(results), _phases(results), _lossless(results)]
+    if results.get("oracle"):
+        parts.append(_oracle(results))
     if results.get("threshold_sweep"):
         parts.append(_sweep(results))
     parts.append(_goals(results))
@@ -150,6 +152,27 @@ def _lossless(r: dict) -> str:
         else f"{not_ties} divergence(s): a bug (the check is exact)" if not_ties else
         "every divergence is at a near-tie of the target's own logits") if x)
     return text + f"\nVerdict: {verdict}.\n"
+
+
+def _oracle(r: dict) -> str:
+    o = r["oracle"]
+    costs = ", ".join(f"{d} {1000 * c:.1f} ms" for d, c in o["round_seconds"].items())
+    rows = []
+    for cat, c in o["categories"].items():
+        measured, replayed = c["measured_tokens_per_s"], c["replayed_decode_tokens_per_s"]
+        best = c["best_static"]
+        rows.append([cat, _f(c["tokens_per_s"]), "-" if best is None else f"{best} {_f(measured[best])}",
+                     _f(measured.get("whiflash-entropy")), _f(measured.get("whiflash-neural")),
+                     _f(c["decode_tokens_per_s"]), ", ".join(f"{m} {_f(t)}" for m, t in replayed.items()),
+                     _f(c["gain_over_best_replayed"], "{:.3f}x"), _f(c["tau"]),
+                     ", ".join(f"{d} {_pct(s)}" for d, s in c["round_share"].items())])
+    return ("## Oracle headroom\n\nThe best per-round choice among no draft, EAGLE-3 and DFlash, by dynamic "
+            "programming over each drafter's accepted length at every position of the ar output and the mean "
+            f"measured round time of each static mode ({costs}). Oracle tok/s adds ar's prefill; the replayed "
+            "columns walk the static modes through the same accepted lengths and costs (like for like); gain: "
+            "oracle over the best replayed static mode, decode only. Measured columns: this run's tokens/s.\n\n"
+            + _table(["category", "oracle tok/s", "best static (measured)", "whiflash-entropy", "whiflash-neural",
+                      "oracle decode tok/s", "replayed decode tok/s", "gain", "oracle tau", "oracle rounds"], rows))
 
 
 def _sweep(r: dict) -> str:

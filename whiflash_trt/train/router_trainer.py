@@ -1,9 +1,8 @@
 """`whiflash-train router`: measure both drafters from the same states, fit the neural router, pick thresholds.
 
-Data: the target's greedy responses to held-out router prompts (whiflash-train data --split router). Greedy
-verification is deterministic, so a drafter's acceptance length at state N (x_0..x_{N-1} committed, x_N pending)
-is the longest prefix of its draft (tree path or block) that matches the target's own continuation x_{N+1}...:
-no verify pass is needed. Both drafters run through the runtime proposers (catch-up + propose) on one Sequence.
+Data: the target's greedy responses to held-out router prompts (whiflash-train data --split router). A drafter's
+acceptance length at state N (x_0..x_{N-1} committed, x_N pending) is read off its draft against the target's own
+continuation, with no verify pass: runtime.replay drives both proposers over one scratch Sequence.
 The router's input is what the engine gives it after a verify that left x_N pending: the target's final-norm hidden
 state at N-1 (RouteSignal.hidden) and the entropy of its logits there.
 
@@ -23,9 +22,9 @@ from tqdm import tqdm
 
 from whiflash_trt.config import DFLASH, EAGLE3, SpecConfig
 from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.runtime.replay import num_accepted, replay_drafts
 from whiflash_trt.spec.router import EntropyRouter, RouteSignal, RouterMLP, entropy_of
 from whiflash_trt.spec.router_file import save_router
-from whiflash_trt.spec.tree import DraftTree
 from whiflash_trt.train.data import TrainingData
 
 
@@ -37,21 +36,6 @@ class StateRecord:
     al_dflash: int
     entropy: float
     hidden: torch.Tensor      # [H]
-
-
-def accepted_length(tree: DraftTree, continuation: list[int]) -> int:
-    """Accepted drafts + 1 under greedy verification against the known continuation x_{N+1}, x_{N+2}, ..."""
-    node, depth = 0, 0
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(tree.parents):
-        if p >= 0:
-            children.setdefault(p, []).append(i)
-    while depth < len(continuation):
-        nxt = next((c for c in children.get(node, []) if tree.tokens[c] == continuation[depth]), None)
-        if nxt is None:
-            break
-        node, depth = nxt, depth + 1
-    return depth + 1
 
 
 @torch.inference_mode()
@@ -73,27 +57,20 @@ def measure_states(engine: Engine, data: TrainingData, spec: SpecConfig, max_sta
             spans[k] = (start, min(last, start + width))
     bar = tqdm(total=min(total, max_states or total), desc="router states", disable=not progress, mininterval=10)
     dtype = engine.target.dtype
+    proposers = {EAGLE3: e3, DFLASH: df}
     for k, (first, last) in spans.items():
         s = data[k]
         tokens = s.tokens.tolist()
-        num_slots = len(tokens) + spec.tree.total_tokens + spec.tree.depth * spec.tree.top_k
-        with engine.scratch_sequence(tokens[:first], num_slots) as seq:
-            seq.commit(tokens[:first], tokens[first], s.features[:first].to(dtype), {EAGLE3: 0, DFLASH: 0})
-            for n in range(first, last):
-                if n > seq.num_committed:
-                    seq.commit(tokens[seq.num_committed:n], tokens[n], s.features[seq.num_committed:n].to(dtype),
-                               dict(seq.frontiers))
-                cont = tokens[n + 1:n + 1 + horizon]
-                fe, fd = e3.catch_up(seq), df.catch_up(seq)
-                al_e = accepted_length(e3.propose(seq).tree, cont)
-                al_d = accepted_length(df.propose(seq).tree, cont)
-                seq.frontiers.update({EAGLE3: fe, DFLASH: fd})
-                hidden = s.hidden[n - 1]
-                entropy = entropy_of(engine.target.logits(hidden[None].to(dtype))[0])
-                records.append(StateRecord(k, n, al_e, al_d, entropy, hidden.float()))
-                bar.update(1)
-                if max_states is not None and len(records) >= max_states:
-                    return records
+        for state in replay_drafts(engine, proposers, tokens, s.features, first, last):
+            n = state.position
+            cont = tokens[n + 1:n + 1 + horizon]
+            al_e, al_d = (num_accepted(state.proposals[d].tree, cont) + 1 for d in (EAGLE3, DFLASH))
+            hidden = s.hidden[n - 1]
+            entropy = entropy_of(engine.target.logits(hidden[None].to(dtype))[0])
+            records.append(StateRecord(k, n, al_e, al_d, entropy, hidden.float()))
+            bar.update(1)
+            if max_states is not None and len(records) >= max_states:
+                return records
     bar.close()
     return records
 
