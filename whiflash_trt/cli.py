@@ -123,14 +123,17 @@ def openai_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="whiflash-serve --openai", description="Serve an engine over an OpenAI-compatible HTTP API "
         "(/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics; see docs/openai.md). Requests are "
-        "queued and run one at a time (not batched).", formatter_class=DefaultsHelpFormatter)
+        "batched: up to --max-batch share every round, each with its own drafter choice.",
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--engine", type=Path, help="engine directory (default: the embedded SmolLM2-135M, built once "
                                                "into --cache-dir)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--address", default="127.0.0.1", help="address the server binds to (loopback only by default)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="torch threads of the engine: half this machine's cores (see whiflash-run --help)")
-    p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
+    p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB); a request "
+                   "holds its prompt + max_tokens of it from admission, and waits while it does not fit")
+    p.add_argument("--max-batch", type=int, default=8, help="requests stepped together in one round")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--model-name", help="the model id clients send (default: the engine's target name, e.g. "
@@ -148,7 +151,8 @@ def _openai_main(argv: list[str]) -> int:
                      f"bash scripts/install.sh serve")
     try:
         opts = OpenAIServerOptions(engine_dir=args.engine, address=args.address, port=args.port,
-                                   threads=args.threads, kv_budget_mb=args.kv_budget_mb, dtype=args.dtype,
+                                   threads=args.threads, kv_budget_mb=args.kv_budget_mb,
+                                   max_batch=args.max_batch, dtype=args.dtype,
                                    device=args.device, model_name=args.model_name)
         check_device(args.device)
         engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)

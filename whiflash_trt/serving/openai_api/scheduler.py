@@ -1,8 +1,8 @@
-"""Who runs the server's requests. The HTTP layer only submits `Request`s and reads what their `RequestSink` gets;
-a batched engine replaces `SerialScheduler` by another `Scheduler` without touching the HTTP layer.
+"""Who runs the server's requests. The HTTP layer only submits `Request`s and reads what their `RequestSink` gets.
 
-Today `SerialScheduler` runs one request at a time on one worker thread, in arrival order: requests are queued,
-not batched, until the engine steps batched rounds (issue 17, part 1).
+`BatchScheduler` steps one runtime.batch.Batch on one worker thread: requests join between rounds (up to
+`max_running` at once, as KV memory allows) and share every target forward; each one's output is exactly its
+output alone.
 """
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from typing import Protocol
 
 from whiflash_trt.config import GenerationConfig, SpecConfig
 from whiflash_trt.runtime.device import set_threads
-from whiflash_trt.runtime.engine import Engine, GenerationResult
+from whiflash_trt.runtime.batch import Batch
+from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.runtime.request import GenerationResult
+from whiflash_trt.runtime.request import Request as EngineRequest
 
 
 class RequestCancelled(Exception):
@@ -57,53 +60,84 @@ class Scheduler(Protocol):
     def num_running(self) -> int: ...
 
 
-class SerialScheduler:
-    """One worker thread runs the queued requests one at a time through Engine.generate."""
+class BatchScheduler:
+    """One worker thread runs every request through a Batch, admitting new ones between rounds."""
 
-    def __init__(self, engine: Engine, threads: int) -> None:
+    def __init__(self, engine: Engine, threads: int, max_running: int) -> None:
         self.engine, self.threads = engine, threads
-        self._queue: queue.Queue[Request | None] = queue.Queue()
-        self._current: Request | None = None   # the request the worker is running
+        self._batch = Batch(engine, max_running)
+        self._inbox: queue.Queue[Request | None] = queue.Queue()
+        self._live: dict[int, tuple[EngineRequest, Request]] = {}   # id(engine request) -> (it, the server's)
+        self._closing = threading.Event()
         self._worker = threading.Thread(target=self._work, name="whiflash-engine", daemon=True)
 
     @property
     def num_waiting(self) -> int:
-        return self._queue.qsize()
+        return self._inbox.qsize() + len(self._batch.waiting)
 
     @property
     def num_running(self) -> int:
-        return int(self._current is not None)
+        return len(self._batch.running)
 
     def start(self) -> None:
         self._worker.start()
 
     def submit(self, request: Request) -> None:
-        self._queue.put(request)
+        self._inbox.put(request)
 
     def close(self) -> None:
-        """Stop: the request in progress and every queued one are cancelled."""
-        pending = []
-        while not self._queue.empty():
-            pending.append(self._queue.get_nowait())
-        if self._current is not None:
-            self._current.cancel()
-        self._queue.put(None)
+        """Stop: every running and queued request is cancelled."""
+        self._closing.set()
+        self._inbox.put(None)
         if self._worker.is_alive():
             self._worker.join()
-        for request in pending:
-            if request is not None:
+        while not self._inbox.empty():
+            if (request := self._inbox.get_nowait()) is not None:
                 request.sink.cancelled()
 
     def _work(self) -> None:
         set_threads(self.threads)   # torch's intra-op thread count, set on the thread that runs the engine
-        while (request := self._queue.get()) is not None:
-            self._current = request
-            try:
-                self._run(request)
-            finally:
-                self._current = None
+        while not self._closing.is_set():
+            self._take(block=not self._batch.busy)
+            for req, request in list(self._live.values()):
+                if request.cancel_event.is_set():
+                    self._batch.cancel(req, RequestCancelled())
+            if self._batch.busy:
+                try:
+                    self._batch.step()
+                except Exception:   # Batch.step ended that step's requests with the error; the worker goes on
+                    pass
+            self._report_ended()
+        for req, _ in list(self._live.values()):
+            self._batch.cancel(req, RequestCancelled())
+        self._report_ended()
 
-    def _run(self, request: Request) -> None:
+    def _report_ended(self) -> None:
+        """Tell the sink of every request the batch no longer holds how it ended."""
+        held = {id(r) for r in [*self._batch.waiting, *self._batch.running]}
+        for key in [k for k in self._live if k not in held]:
+            req, request = self._live.pop(key)
+            if isinstance(req.error, RequestCancelled):
+                request.sink.cancelled()
+            elif req.error is not None:
+                request.sink.failed(req.error)
+            else:
+                request.sink.finished(req.result())
+
+    def _take(self, block: bool) -> None:
+        """Move submitted requests into the batch (waiting while idle); one that cannot run fails at once."""
+        try:
+            request = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        while request is not None:
+            self._admit(request)
+            try:
+                request = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, request: Request) -> None:
         if request.cancel_event.is_set():
             request.sink.cancelled()
             return
@@ -114,10 +148,9 @@ class SerialScheduler:
             request.sink.tokens(new_ids)
 
         try:
-            result = self.engine.generate(request.prompt_ids, request.gen, on_tokens=on_tokens, spec=request.spec)
-        except RequestCancelled:
-            request.sink.cancelled()
-        except Exception as e:  # the request's failure, reported to its client; the worker goes on
+            req = self.engine.request(request.prompt_ids, request.gen, request.spec, on_tokens)
+            self._batch.submit(req)
+        except Exception as e:   # the request's failure, reported to its client
             request.sink.failed(e)
-        else:
-            request.sink.finished(result)
+            return
+        self._live[id(req)] = (req, request)

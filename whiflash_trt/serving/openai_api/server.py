@@ -8,7 +8,7 @@ import uvicorn
 
 from whiflash_trt.manifest import Manifest
 from whiflash_trt.serving.openai_api.app import OpenAIServer
-from whiflash_trt.serving.openai_api.scheduler import SerialScheduler
+from whiflash_trt.serving.openai_api.scheduler import BatchScheduler
 from whiflash_trt.runtime.device import set_threads
 from whiflash_trt.runtime.engine import Engine
 
@@ -20,6 +20,7 @@ class OpenAIServerOptions:
     port: int = 8000
     threads: int = 1
     kv_budget_mb: int = 256
+    max_batch: int = 8         # requests stepped together (each holds its whole length's KV blocks from admission)
     dtype: str | None = None
     device: str = "cpu"
     model_name: str | None = None   # None: served_model_name(the engine's manifest)
@@ -29,6 +30,8 @@ class OpenAIServerOptions:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_batch < 1:
+            raise ValueError(f"max-batch must be >= 1, got {self.max_batch}")
         if self.kv_budget_mb <= 0:
             raise ValueError(f"kv-budget-mb must be positive, got {self.kv_budget_mb}")
         if self.model_name is not None and not self.model_name:
@@ -48,11 +51,11 @@ def build_server(opts: OpenAIServerOptions) -> OpenAIServer:
     engine = Engine.load(opts.engine_dir, device=opts.device, dtype=opts.dtype,
                          kv_budget_bytes=opts.kv_budget_mb * 2**20)
     name = opts.model_name or served_model_name(engine.manifest)
-    return OpenAIServer(engine, SerialScheduler(engine, opts.threads), name)
+    return OpenAIServer(engine, BatchScheduler(engine, opts.threads, opts.max_batch), name)
 
 
 def run_server(opts: OpenAIServerOptions) -> None:
     server = build_server(opts)
     print(f"serving {server.model_name} ({opts.engine_dir}) at http://{opts.address}:{opts.port}/v1 "
-          f"(requests are queued and run one at a time)", flush=True)
+          f"(up to {opts.max_batch} requests batched)", flush=True)
     uvicorn.run(server.app(), host=opts.address, port=opts.port, log_level="info")
