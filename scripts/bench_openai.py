@@ -3,9 +3,8 @@ whiflash, interleaved (at each concurrency both modes run back to back, in an or
 
 Starts the server as a subprocess (the embedded default engine unless --engine), sends the first --num-prompts
 prompts of the benchmark's `mix` set as greedy chat requests with the official openai client, and prints a Markdown
-table. Every concurrency level sends the same --num-prompts requests, --concurrency at a time. The server runs
-requests one at a time (queued, not batched), so concurrency raises latency, not throughput, until batched rounds
-land.
+table. Every concurrency level sends the same --num-prompts requests, --concurrency at a time. The server batches
+(up to its --max-batch requests share every round), so on a memory-bound CPU throughput grows with concurrency.
 
     python scripts/bench_openai.py --threads 1 --num-prompts 8 --max-tokens 48
 """

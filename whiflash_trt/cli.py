@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("Triton model repository")
     t.add_argument("--triton-repo", type=Path, help="write a Triton model repository (models `ensemble` and "
                                                     "`whiflash`) serving the engine; see docs/triton.md")
-    t.add_argument("--triton-instances", type=int, default=1, help="model instances (requests served at once)")
+    t.add_argument("--triton-instances", type=int, default=1, help="model instances (each its own engine)")
+    t.add_argument("--triton-max-batch", type=int, default=8, help="requests each instance steps together")
     t.add_argument("--triton-device", default="cpu", help="device the served engine runs on (cpu, cuda, cuda:1)")
     t.add_argument("--triton-kv-budget-mb", type=int, default=256, help="KV memory of each instance")
     t.add_argument("--triton-threads", "--triton-torch-threads", type=int, default=0,
@@ -80,7 +81,8 @@ def build_main(argv: list[str] | None = None) -> int:
                 raise WhiflashError(f"--triton-repo {args.triton_repo} is an existing file, not a directory")
             triton = TritonRepoOptions(engine_dir=args.engine or args.output, output=args.triton_repo,
                                        instance_count=args.triton_instances, device=args.triton_device,
-                                       kv_budget_mb=args.triton_kv_budget_mb, threads=args.triton_threads)
+                                       kv_budget_mb=args.triton_kv_budget_mb, threads=args.triton_threads,
+                                       max_batch=args.triton_max_batch)
         engine_dir = args.engine
         if args.target is not None:
             dtype = args.dtype or ("fp32" if args.backend == "onnx" else "bf16")

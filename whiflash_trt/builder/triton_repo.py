@@ -9,7 +9,7 @@ text_output, model `ensemble`) work unchanged:
     REPO/ensemble/1/              (empty: Triton wants a version folder)
 
 Every request carries batch size 1 (max_batch_size 1, so tensors are [1, 1]), as in TensorRT-LLM's in-flight
-batching models; concurrency comes from the instance count.
+batching models: each instance batches the requests it holds itself (up to max_batch of them share every round).
 """
 from __future__ import annotations
 
@@ -65,12 +65,15 @@ class TritonRepoOptions:
     device: str = "cpu"
     kv_budget_mb: int = 256
     threads: int = 0              # torch threads of each instance; 0 = half the server's cores split over instances
+    max_batch: int = 8            # requests each instance steps together
 
     def __post_init__(self) -> None:
         if self.instance_count < 1:
             raise ValueError(f"triton instance count must be >= 1, got {self.instance_count}")
         if self.kv_budget_mb <= 0:
             raise ValueError(f"KV memory budget must be positive, got {self.kv_budget_mb} MB")
+        if self.max_batch < 1:
+            raise ValueError(f"triton max batch must be >= 1, got {self.max_batch}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = the default: half the cores split over instances), "
                              f"got {self.threads}")
@@ -98,7 +101,8 @@ def model_config(opts: TritonRepoOptions, engine_dir: Path) -> str:
             + _tensor_block("input", INPUTS) + _tensor_block("output", OUTPUTS)
             + f"instance_group [ {{ count: {opts.instance_count} kind: KIND_CPU }} ]\n"
             + _parameters({"engine_dir": str(engine_dir), "device": opts.device,
-                           "kv_budget_mb": str(opts.kv_budget_mb), "threads": str(opts.threads)}))
+                           "kv_budget_mb": str(opts.kv_budget_mb), "threads": str(opts.threads),
+                           "max_batch": str(opts.max_batch)}))
 
 
 def ensemble_config() -> str:

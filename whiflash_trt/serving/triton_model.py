@@ -3,7 +3,9 @@
 It runs inside Triton's Python-backend stub, which provides `triton_python_backend_utils`; this file is a template
 and is never imported by the package. The model is decoupled: a request gets one response (stream false) or one per
 generation round plus a final one (stream true), and a bad request gets an error response while the model keeps
-serving. Requests run one at a time per instance; the instance count (a build option) sets the concurrency.
+serving. `execute` only hands requests to the instance's BatchScheduler (serving/scheduler.py, as the OpenAI server):
+its worker thread steps them together, up to the `max_batch` parameter at once, and answers through each request's
+response sender.
 """
 import json
 
@@ -11,14 +13,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from whiflash_trt.config import GenerationConfig, SamplingConfig, SpecConfig
-from whiflash_trt.runtime.device import default_threads, set_threads
+from whiflash_trt.runtime.device import default_threads
 from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.serving.scheduler import BatchScheduler, Request, RequestCancelled
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-class RequestCancelled(Exception):
-    """The client went away: stop generating (the engine frees the sequence on the way out)."""
 
 
 def _input(request, name: str, default=None):
@@ -89,6 +88,30 @@ def _response(text: str, num_new_tokens: int, finish_reason: str = "", stats: di
     ])
 
 
+class Responses:
+    """RequestSink: one request's responses through its Triton response sender."""
+
+    def __init__(self, sender, decode, stream: bool) -> None:
+        self.sender, self.stream, self.deltas = sender, stream, TextDeltas(decode)
+
+    def tokens(self, new_ids: list[int]) -> None:
+        if self.sender.is_cancelled():   # the client went away: the scheduler ends the request and frees its blocks
+            raise RequestCancelled()
+        if self.stream and (text := self.deltas.add(new_ids)):
+            self.sender.send(_response(text, len(self.deltas.ids)))
+
+    def finished(self, result) -> None:
+        text = self.deltas.rest(result.text) if self.stream else result.text
+        self.sender.send(_response(text, len(result.token_ids), result.finish_reason, result.stats), flags=FINAL)
+
+    def failed(self, error: Exception) -> None:
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")),
+                         flags=FINAL)
+
+    def cancelled(self) -> None:
+        self.sender.send(flags=FINAL)
+
+
 class TritonPythonModel:
     def initialize(self, args) -> None:
         config = json.loads(args["model_config"])
@@ -97,38 +120,28 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         # Several instances on one CPU share its cores: by default each gets its share of half of them.
         instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", [{}]))
-        set_threads(int(params.get("threads", "0")) or max(1, default_threads() // instances))
+        threads = int(params.get("threads", "0")) or max(1, default_threads() // instances)
         self.engine = Engine.load(params["engine_dir"], device=params.get("device", "cpu"),
                                   kv_budget_bytes=int(params.get("kv_budget_mb", "256")) * 2**20)
+        self.scheduler = BatchScheduler(self.engine, threads, int(params.get("max_batch", "1")))
+        self.scheduler.start()
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                self._generate(request, sender)
-            except RequestCancelled:
-                sender.send(flags=FINAL)
-            except Exception as e:  # any failure is this request's, reported to its client; the model goes on
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}")),
-                            flags=FINAL)
+                self.scheduler.submit(self._request(request, sender))
+            except Exception as e:  # a bad request gets its error; the model goes on
+                Responses(sender, self.engine.decode, False).failed(e)
         return None
 
-    def _generate(self, request, sender) -> None:
+    def finalize(self) -> None:
+        self.scheduler.close()
+
+    def _request(self, request, sender) -> Request:
         prompt = _input(request, "text_input")
         if prompt is None:
             raise ValueError("text_input is required")
         gen = _generation_config(request)
-        spec = _spec_config(request)
-        stream = bool(_input(request, "stream", False))
-        prompt_ids = self.engine.encode(prompt)
-        deltas = TextDeltas(self.engine.decode)
-
-        def on_tokens(new_ids: list[int]) -> None:
-            if sender.is_cancelled():
-                raise RequestCancelled()
-            if stream and (text := deltas.add(new_ids)):
-                sender.send(_response(text, len(deltas.ids)))
-
-        result = self.engine.generate(prompt_ids, gen, on_tokens=on_tokens, spec=spec)
-        text = deltas.rest(result.text) if stream else result.text
-        sender.send(_response(text, len(result.token_ids), result.finish_reason, result.stats), flags=FINAL)
+        sink = Responses(sender, self.engine.decode, bool(_input(request, "stream", False)))
+        return Request(self.engine.encode(prompt), gen, _spec_config(request), sink)

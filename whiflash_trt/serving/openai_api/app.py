@@ -20,7 +20,7 @@ from whiflash_trt.errors import WhiflashError
 from whiflash_trt.serving.openai_api.metrics import ServerMetrics
 from whiflash_trt.serving.openai_api.protocol import APIError, ParsedRequest, parse_chat, parse_completion
 from whiflash_trt.serving.openai_api.responses import ChatFormat, CompletionFormat, ResponseFormat
-from whiflash_trt.serving.openai_api.scheduler import Request, Scheduler
+from whiflash_trt.serving.scheduler import Request, Scheduler
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.kv_cache import KVCacheExhausted
 from whiflash_trt.runtime.text_stream import TextStream

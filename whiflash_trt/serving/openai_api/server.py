@@ -8,7 +8,7 @@ import uvicorn
 
 from whiflash_trt.manifest import Manifest
 from whiflash_trt.serving.openai_api.app import OpenAIServer
-from whiflash_trt.serving.openai_api.scheduler import BatchScheduler
+from whiflash_trt.serving.scheduler import BatchScheduler
 from whiflash_trt.runtime.device import set_threads
 from whiflash_trt.runtime.engine import Engine
 

@@ -1,4 +1,5 @@
-"""Who runs the server's requests. The HTTP layer only submits `Request`s and reads what their `RequestSink` gets.
+"""Who runs a server's requests (the OpenAI server's and each Triton model instance's). A front end only submits
+`Request`s and reads what their `RequestSink` gets.
 
 `BatchScheduler` steps one runtime.batch.Batch on one worker thread: requests join between rounds (up to
 `max_running` at once, as KV memory allows) and share every target forward; each one's output is exactly its
@@ -39,7 +40,7 @@ class Request:
     """One generation request, validated: the prompt's token ids and the settings the engine runs it with."""
     prompt_ids: list[int]
     gen: GenerationConfig
-    spec: SpecConfig
+    spec: SpecConfig | None   # None: the engine's default (Engine.resolve_spec)
     sink: RequestSink
     cancel_event: threading.Event = field(default_factory=threading.Event)
 
