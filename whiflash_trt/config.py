@@ -213,6 +213,23 @@ class TreeConfig:
 
 
 @dataclass(frozen=True)
+class DFlashTreeConfig:
+    """DFlash's draft per round: the chain of its block's argmax drafts (total_tokens None), or a DDTree of the
+    total_tokens - 1 most probable prefixes under the block's per-position distributions (spec.ddtree)."""
+    total_tokens: int | None = None   # nodes verified per round, root (bonus) included; None = the block's chain
+    top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
+
+    def __post_init__(self) -> None:
+        if self.total_tokens is not None and self.total_tokens < 2:
+            raise ValueError(f"DFlash tree total_tokens must be >= 2 (the root and a draft), got {self.total_tokens}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"DFlash tree top_k must be >= 1 (1 = a chain), got {self.top_k}")
+        if self.top_k is not None and self.total_tokens is None:
+            raise ValueError(f"DFlash tree top_k {self.top_k} needs a total_tokens budget (without one DFlash "
+                             f"drafts its block's chain)")
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Which drafter(s) run and how. mode and router "auto" = the engine's default (runtime.policy); threshold None =
     the router's own default (from its weights file or the built-in entropy default)."""
@@ -221,6 +238,7 @@ class SpecConfig:
     threshold: float | None = None
     catch_up: str = "lazy"
     tree: TreeConfig = field(default_factory=TreeConfig)   # EAGLE-3 only
+    dflash_tree: DFlashTreeConfig = field(default_factory=DFlashTreeConfig)   # DFlash only
 
     def __post_init__(self) -> None:
         if self.mode not in (AUTO, *MODES):
