@@ -67,6 +67,13 @@ def test_threads_sets_torch_threads_and_defaults_to_half_the_cores(tiny_engine):
     assert "--threads must be >= 1, got 0" in error_line("--engine", engine, "--prompt", "hi", "--threads", 0)
 
 
+def test_a_dflash_tree_run_gives_the_ar_output(spec_engine_dir):
+    base = ("--engine", spec_engine_dir, "--prompt", "abc def", "--max-new-tokens", 20, "--json")
+    ar = json.loads(run(*base, "--mode", "ar").stdout)
+    tree = json.loads(run(*base, "--mode", "dflash", "--dflash-tree-total-tokens", 14, "--dflash-tree-top-k", 3).stdout)
+    assert tree["token_ids"] == ar["token_ids"] and tree["stats"]["mode"] == "dflash"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device", "tpu"], "unknown device 'tpu'; expected cpu, cuda or cuda:N"),
     (["--tree-top-k", "0"], "tree needs top_k >= 1"),
