@@ -15,6 +15,7 @@ t2d mask) stands in for it: `--loss-vocab` says which.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -22,17 +23,19 @@ from pathlib import Path
 import torch
 
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
-from whiflash_trt.config import DFLASH, EAGLE3, GenerationConfig, SpecConfig, TreeConfig
+from whiflash_trt.config import DFLASH, EAGLE3, DFlashTreeConfig, GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.spec.tree import DraftTree
 from whiflash_trt.train.acceptance import conditional_acceptance, greedy_responses, held_out_prompts, round_starts
+from whiflash_trt.train.dflash_trainer import DFlashLoss, DFlashOptions
 from whiflash_trt.train.router_trainer import accepted_length
 
 EAGLE3_CHAIN = TreeConfig(top_k=1, depth=8, total_tokens=9)
 
 
 def runtime_curves(engine: Engine, responses, max_new_tokens: int) -> dict:
-    specs = {DFLASH: SpecConfig(mode=DFLASH), EAGLE3: SpecConfig(mode=EAGLE3, tree=EAGLE3_CHAIN)}
+    specs = {DFLASH: SpecConfig(mode=DFLASH, dflash_tree=DFlashTreeConfig(top_k=1)),
+             EAGLE3: SpecConfig(mode=EAGLE3, tree=EAGLE3_CHAIN)}
     depth = {DFLASH: engine.proposers[DFLASH].draft_block_len - 1, EAGLE3: EAGLE3_CHAIN.depth}
     out = {}
     for name, spec in specs.items():
@@ -90,6 +93,33 @@ def offline_curves(engine: Engine, responses, loss_vocab: torch.Tensor) -> dict:
                              "acc1_loss_vocab_argmax": round(n["first_hit_loss_vocab"] / positions, 4)}}
 
 
+def training_forward(engine: Engine, responses, loss_vocab: torch.Tensor) -> dict:
+    """The DFlash trainer's own forward (DFlashLoss.forward_blocks, an fp32 copy of the drafter, every response
+    position an anchor) on the runtime's captured features: how often its first-slot argmax equals the runtime
+    block forward's, and the training log's acc1 metric (argmax over the loss vocabulary, labels outside it count
+    as misses, mean per sequence) on these sequences."""
+    df = engine.proposers[DFLASH]
+    opts = DFlashOptions(num_layers=df.model.config.num_layers, draft_block_len=df.draft_block_len)
+    loss = DFlashLoss(copy.deepcopy(df.model).float(), engine.target, torch.arange(len(df.cols)), opts, loss_vocab)
+    agree = total = 0
+    per_seq = []
+    for r in responses:
+        tokens = torch.tensor(r.prompt_ids + r.response_ids)
+        runtime_first = [int(df.block_logits(seq)[0].float().argmax())
+                         for seq, _ in round_starts(engine, r, 1, slack=df.draft_block_len)]
+        with engine.scratch_sequence(tokens.tolist()) as seq:
+            feats = engine.runner.step(seq, tokens.tolist(), logits_rows=[len(tokens) - 1], capture=True).captured
+        anchors = torch.arange(len(r.prompt_ids), len(tokens) - 2)
+        with torch.no_grad():
+            first = loss.forward_blocks(feats[:, df.cols.cpu()].float(), tokens, anchors)[:, 1]    # [A, H]
+        agree += int((first @ loss.full_head.T).argmax(-1).eq(torch.tensor(runtime_first)).sum())
+        total += len(anchors)
+        labels = loss.to_row[tokens[anchors + 1]]
+        per_seq.append(float(((first @ loss.head.T).argmax(-1).eq(labels) & (labels >= 0)).float().mean()))
+    return {"first_slot_argmax_agreement": round(agree / total, 4),
+            "acc1_training_metric": round(sum(per_seq) / len(per_seq), 4)}
+
+
 def rounds_walk(accepted: list[int]) -> list[int]:
     """The accepted counts of the rounds a decode starting at the first position would run (`accepted`: per
     consecutive position): runtime rounds start right after a rejection, all-position averages do not."""
@@ -111,6 +141,8 @@ def main() -> None:
     p.add_argument("--responses", type=Path, help="JSON lines cache of the target's greedy responses (read if it "
                                                    "exists, else written)")
     p.add_argument("--skip-runtime", action="store_true", help="offline curves only")
+    p.add_argument("--training-forward", action="store_true",
+                   help="also compare the DFlash trainer's forward and acc1 metric with the runtime's")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine.load(args.engine or default_engine(DEFAULT_CACHE_DIR), dtype=args.dtype)
@@ -124,6 +156,8 @@ def main() -> None:
     if not args.skip_runtime:
         print(json.dumps({"runtime": runtime_curves(engine, responses, args.max_new_tokens)}), flush=True)
     print(json.dumps({"offline": offline_curves(engine, responses, loss_vocab)}), flush=True)
+    if args.training_forward:
+        print(json.dumps({"training_forward": training_forward(engine, responses, loss_vocab)}), flush=True)
     print(json.dumps({"seconds": round(time.time() - start, 1)}), flush=True)
 
 

@@ -86,11 +86,10 @@ def test_a_dflash_tree_run_gives_the_ar_output(spec_engine_dir):
     (["--mode", "eagle3", "--dflash-tree-total-tokens", "8"],
      "--dflash-tree-total-tokens applies only to the DFlash drafter; this run's mode is eagle3"),
     (["--dflash-tree-total-tokens", "1"], "DFlash tree total_tokens must be >= 2"),
-    (["--dflash-tree-top-k", "2"], "DFlash tree top_k 2 needs a total_tokens budget"),
     (["--mode", "dflash", "--dflash-tree-total-tokens", "9", "--dflash-tree-top-k", "1"],
      "a DFlash tree of 9 nodes does not fit this drafter: 5 drafts per block with top_k 1 hold at most 6 nodes"),
 ], ids=["device", "tree", "kv-budget", "stream-json", "router-with-ar", "threshold-with-eagle3", "tree-with-dflash",
-        "dflash-tree-with-eagle3", "dflash-tree-too-small", "dflash-top-k-without-budget", "dflash-tree-too-big"])
+        "dflash-tree-with-eagle3", "dflash-tree-too-small", "dflash-tree-too-big"])
 def test_bad_or_ignored_options_are_one_error_line(spec_engine_dir, argv, message):
     assert message in error_line("--engine", spec_engine_dir, "--prompt", "hi", *argv)
 

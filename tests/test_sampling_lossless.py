@@ -105,9 +105,10 @@ def _target_next_probs(engine, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec", [SpecConfig("ar"), SpecConfig("eagle3"), SpecConfig("dflash"),
+                                  SpecConfig("dflash", dflash_tree=DFlashTreeConfig(top_k=1)),
                                   SpecConfig("dflash", dflash_tree=DFlashTreeConfig(total_tokens=10)),
                                   SpecConfig("whiflash", "entropy", 1.5)],
-                         ids=["ar", "eagle3", "dflash", "dflash-ddtree", "whiflash"])
+                         ids=["ar", "eagle3", "dflash", "dflash-chain", "dflash-ddtree-10", "whiflash"])
 def test_engine_sampling_matches_target_distribution(spec_engine, spec):
     prompt = [5, 17, 42, 8]
     p1 = _target_next_probs(spec_engine, prompt)

@@ -13,10 +13,11 @@ SPECS = [
     SpecConfig(mode="eagle3"),
     SpecConfig(mode="eagle3", tree=TreeConfig(top_k=1, depth=4, total_tokens=5)),      # chain
     SpecConfig(mode="eagle3", tree=TreeConfig(top_k=3, depth=3, total_tokens=8)),
-    SpecConfig(mode="dflash"),
-    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=12)),                 # DDTree
+    SpecConfig(mode="dflash"),                                                                # DDTree, block size
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(top_k=1)),                         # the block's chain
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=12)),
     SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=9, top_k=2)),
-    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=6, top_k=1)),         # chain via the heap
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=4, top_k=1)),         # a shorter chain
     SpecConfig(mode="whiflash", router="entropy", threshold=1.5),
     SpecConfig(mode="whiflash", router="entropy", threshold=1.5, dflash_tree=DFlashTreeConfig(total_tokens=16)),
     SpecConfig(mode="whiflash", router="entropy", threshold=1.2, catch_up="eager"),

@@ -244,9 +244,9 @@ def run_parser() -> argparse.ArgumentParser:
                                                          f"(default: {TreeConfig.total_tokens})")
     p.add_argument("--dflash-tree-total-tokens", type=int,
                    help="DFlash tree (DDTree): nodes verified per round, root included, the most probable prefixes "
-                        "under the block's per-position distributions (default: the block's chain)")
-    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = a chain "
-                                                         "(default: no limit; needs --dflash-tree-total-tokens)")
+                        "under the block's per-position distributions (default: the drafter's block length)")
+    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
+                                                         "chain (default: no limit)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")

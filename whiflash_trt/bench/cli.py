@@ -55,8 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-total-tokens", type=int, default=TreeConfig.total_tokens,
                    help="EAGLE-3 tree: nodes verified per round, root included")
     p.add_argument("--dflash-tree-total-tokens", type=int,
-                   help="DFlash tree (DDTree): nodes verified per round, root included (default: the block's chain)")
-    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most (default: no limit)")
+                   help="DFlash tree (DDTree): nodes verified per round, root included (default: the block length)")
+    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
+                                                         "chain (default: no limit)")
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="torch threads (headline runs: 2; on a machine shared with other jobs fewer threads than "

@@ -129,7 +129,7 @@ class Eagle3Proposer(Proposer):
 class DFlashProposer(Proposer):
     name = DFLASH
     model: DFlash
-    tree = DFlashTreeConfig()   # the request's shape: the block's chain or a DDTree (see with_tree)
+    tree = DFlashTreeConfig()   # the request's shape: a DDTree or the block's chain (see with_tree)
 
     @property
     def draft_block_len(self) -> int:
@@ -137,12 +137,11 @@ class DFlashProposer(Proposer):
 
     def with_tree(self, tree: DFlashTreeConfig) -> "DFlashProposer":
         """A copy drafting `tree`; a budget this drafter's block cannot fill is an error."""
-        if tree.total_tokens is not None:
-            most = max_prefix_tree_nodes(self.draft_block_len - 1, tree.top_k)
-            if tree.total_tokens > most:
-                raise WhiflashError(f"a DFlash tree of {tree.total_tokens} nodes does not fit this drafter: "
-                                    f"{self.draft_block_len - 1} drafts per block with top_k {tree.top_k} hold "
-                                    f"at most {most} nodes, root included")
+        most = max_prefix_tree_nodes(self.draft_block_len - 1, tree.top_k)
+        if tree.total_tokens is not None and tree.total_tokens > most:
+            raise WhiflashError(f"a DFlash tree of {tree.total_tokens} nodes does not fit this drafter: "
+                                f"{self.draft_block_len - 1} drafts per block with top_k {tree.top_k} hold "
+                                f"at most {most} nodes, root included")
         shaped = copy.copy(self)
         shaped.tree = tree
         return shaped
@@ -189,13 +188,13 @@ class DFlashProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seq: Sequence) -> Proposal:
-        """One block forward: the chain of its argmax drafts, or the DDTree of `tree.total_tokens` nodes."""
+        """One block forward -> the DDTree of max_tree_tokens() nodes; with top_k 1, the chain of argmax drafts."""
         logits = self.block_logits(seq)
-        if self.tree.total_tokens is None:
-            tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist())
+        if self.tree.top_k == 1:
+            tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist()[:self.max_tree_tokens() - 1])
         else:
             tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1),
-                                       self.tree.total_tokens, self.tree.top_k)
+                                       self.max_tree_tokens(), self.tree.top_k)
         return Proposal(tree, frontier=seq.num_committed)
 
 
