@@ -11,10 +11,12 @@ from typing import ClassVar
 
 import torch
 
-from whiflash_trt.config import DFLASH, EAGLE3, TreeConfig
+from whiflash_trt.config import DFLASH, EAGLE3, DFlashTreeConfig, SpecConfig, TreeConfig
+from whiflash_trt.errors import WhiflashError
 from whiflash_trt.models.contracts import DFlash, Eagle3, Target, feature_columns
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
+from whiflash_trt.spec.ddtree import best_prefix_tree
 from whiflash_trt.spec.tree import DraftTree, select_nodes
 
 
@@ -26,8 +28,9 @@ class Proposal:
 
 class Proposer:
     """A drafter bound to its KV pool and the target, with its features' columns in the union capture of every verify.
-    Each has a name, max_tree_tokens() (nodes a round verifies), scratch_slots() (pool slots its draft steps use),
-    backlog(seq), catch_up(seq) -> frontier, propose(seq)."""
+    Each has a name, for_spec(spec) (a copy shaped by the request's tree settings), max_tree_tokens() (nodes a
+    round verifies), scratch_slots() (pool slots its draft steps use), backlog(seq), catch_up(seq) -> frontier,
+    propose(seq)."""
     name: ClassVar[str]
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
@@ -44,6 +47,9 @@ class Eagle3Proposer(Proposer):
         shaped = copy.copy(self)
         shaped.tree = tree
         return shaped
+
+    def for_spec(self, spec: SpecConfig) -> "Eagle3Proposer":
+        return self.with_tree(spec.tree)
 
     def scratch_slots(self) -> int:
         return (self.tree.depth - 1) * self.tree.top_k
@@ -123,16 +129,31 @@ class Eagle3Proposer(Proposer):
 class DFlashProposer(Proposer):
     name = DFLASH
     model: DFlash
+    tree = DFlashTreeConfig()   # the request's shape: a DDTree or the block's chain (see with_tree)
 
     @property
     def draft_block_len(self) -> int:
         return self.model.config.draft_block_len
 
+    def with_tree(self, tree: DFlashTreeConfig) -> "DFlashProposer":
+        """A copy drafting `tree`; a budget this drafter's block cannot fill is an error."""
+        most = max_prefix_tree_nodes(self.draft_block_len - 1, tree.top_k)
+        if tree.total_tokens is not None and tree.total_tokens > most:
+            raise WhiflashError(f"a DFlash tree of {tree.total_tokens} nodes does not fit this drafter: "
+                                f"{self.draft_block_len - 1} drafts per block with top_k {tree.top_k} hold "
+                                f"at most {most} nodes, root included")
+        shaped = copy.copy(self)
+        shaped.tree = tree
+        return shaped
+
+    def for_spec(self, spec: SpecConfig) -> "DFlashProposer":
+        return self.with_tree(spec.dflash_tree)
+
     def scratch_slots(self) -> int:
         return 0   # the block's own K/V never enter the pool
 
     def max_tree_tokens(self) -> int:
-        return self.draft_block_len
+        return self.tree.total_tokens or self.draft_block_len
 
     def backlog(self, seq: Sequence) -> int:
         return max(0, seq.num_committed - seq.frontiers.get(self.name, 0))
@@ -158,12 +179,28 @@ class DFlashProposer(Proposer):
         return torch.cat([root_e, mask_e.expand(self.draft_block_len - 1, -1)])
 
     @torch.inference_mode()
-    def propose(self, seq: Sequence) -> Proposal:
+    def block_logits(self, seq: Sequence) -> torch.Tensor:
+        """[B-1, vocab] the target lm_head's logits at block slots 1..B-1: the drafts of positions N+1..N+B-1."""
         n, dev = seq.num_committed, self.pool.k.device
         hidden = self.model(self.block_embeddings(seq.pending), torch.arange(n, n + self.draft_block_len, device=dev),
                             self.pool.k, self.pool.v, seq.slots(0, n).to(dev))
-        drafts = self.target.logits(hidden[1:]).argmax(-1).tolist()
-        return Proposal(DraftTree.chain(seq.pending, drafts), frontier=n)
+        return self.target.logits(hidden[1:])
+
+    @torch.inference_mode()
+    def propose(self, seq: Sequence) -> Proposal:
+        """One block forward -> the DDTree of max_tree_tokens() nodes; with top_k 1, the chain of argmax drafts."""
+        logits = self.block_logits(seq)
+        if self.tree.top_k == 1:
+            tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist()[:self.max_tree_tokens() - 1])
+        else:
+            tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1),
+                                       self.max_tree_tokens(), self.tree.top_k)
+        return Proposal(tree, frontier=seq.num_committed)
+
+
+def max_prefix_tree_nodes(depth: int, top_k: int | None) -> int | float:
+    """Nodes (root included) of the full tree of `depth` levels with `top_k` children each (None: unbounded)."""
+    return float("inf") if top_k is None else 1 + sum(top_k ** d for d in range(1, depth + 1))
 
 
 PROPOSERS = {EAGLE3: Eagle3Proposer, DFLASH: DFlashProposer}   # the drafter registry: name -> proposer type

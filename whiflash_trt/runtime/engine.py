@@ -94,14 +94,14 @@ class Engine:
         return resolve_spec(spec or SpecConfig(), set(self.proposers), self.router_file is not None)
 
     def proposers_for(self, spec: SpecConfig) -> dict[str, Proposer]:
-        """The drafters `spec.mode` runs, EAGLE-3's shaped by `spec.tree`."""
+        """The drafters `spec.mode` runs, each shaped by its tree settings (`spec.tree`, `spec.dflash_tree`)."""
         needed = MODE_DRAFTERS[spec.mode]
         missing = [n for n in needed if n not in self.proposers]
         if missing:
             flag = {EAGLE3: "--ar-drafter", DFLASH: "--dllm-drafter"}
             raise WhiflashError(f"mode {spec.mode!r} needs the {' and '.join(missing)} drafter, which this engine "
                                 f"does not have; rebuild it with " + " ".join(f"{flag[m]} PATH" for m in missing))
-        return {n: self.proposers[n].with_tree(spec.tree) if n == EAGLE3 else self.proposers[n] for n in needed}
+        return {n: self.proposers[n].for_spec(spec) for n in needed}
 
     def router_for(self, spec: SpecConfig) -> Router | None:
         if spec.mode != WHIFLASH:
