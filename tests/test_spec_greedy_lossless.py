@@ -6,7 +6,7 @@ import random
 import pytest
 
 from whiflash_trt.config import DFlashTreeConfig, GenerationConfig, SpecConfig, TreeConfig
-from whiflash_trt.runtime.drafters import Proposal
+from whiflash_trt.runtime.drafters import Proposal, Proposer
 from whiflash_trt.spec.tree import DraftTree
 
 SPECS = [
@@ -56,7 +56,7 @@ def test_whiflash_routes_to_both_drafters_and_switches(spec_engine):
     assert seen == {"eagle3", "dflash"} and switches > 0
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """A drafter test double that knows the target's greedy continuation and proposes it with corruptions, as a
     chain or as a tree whose correct child sits among decoys: it exercises long accepted blocks, tree compaction,
     and EOS / the token limit landing inside an accepted block. Only verification and commit are under test."""

@@ -13,7 +13,7 @@ import torch
 
 from whiflash_trt.config import DFLASH, EAGLE3, DFlashTreeConfig, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
-from whiflash_trt.models.contracts import DFlash, Eagle3, Target, feature_columns
+from whiflash_trt.models.contracts import DFlash, Eagle3, Segment, Target, feature_columns
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.spec.ddtree import best_prefix_tree
@@ -30,18 +30,28 @@ class Proposer:
     """A drafter bound to its KV pool and the target, with its features' columns in the union capture of every verify.
     Each has a name, for_spec(spec) (a copy shaped by the request's tree settings), max_tree_tokens() (nodes a
     round verifies), scratch_slots() (pool slots its draft steps use), backlog(seq), catch_up(seq) -> frontier,
-    propose(seq)."""
+    propose(seq), and propose_many(seqs) for proposers of one group_key()."""
     name: ClassVar[str]
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         self.model, self.pool, self.target = model, pool, target
         self.cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
 
+    def group_key(self) -> tuple:
+        """Proposers with equal keys can propose_many together."""
+        return (self.name,)
+
+    def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
+        return [self.propose(seq) for seq in seqs]
+
 
 class Eagle3Proposer(Proposer):
     name = EAGLE3
     model: Eagle3
     tree = TreeConfig()      # the request's shape: see with_tree
+
+    def group_key(self) -> tuple:
+        return (self.name, self.tree)
 
     def with_tree(self, tree: TreeConfig) -> "Eagle3Proposer":
         shaped = copy.copy(self)
@@ -75,55 +85,88 @@ class Eagle3Proposer(Proposer):
         self.pool.k[:, slots], self.pool.v[:, slots] = k, v
         return end
 
-    @torch.inference_mode()
     def propose(self, seq: Sequence) -> Proposal:
-        """EAGLE-2 style dynamic tree: expand the top_k best nodes per depth, keep the best total_tokens - 1."""
-        n, k, dev, scratch = seq.num_committed, self.tree.top_k, self.pool.k.device, self.scratch_slots()
+        return self.propose_many([seq])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
+        """EAGLE-2 style dynamic trees, one per sequence, grown together: every depth is one drafter forward over
+        all sequences (each row sees only its own sequence's keys)."""
+        k, dev, scratch = self.tree.top_k, self.pool.k.device, self.scratch_slots()
         model, embed = self.model, self.target.embed
+        searches = [_TreeSearch(seq, seq.slots(0, seq.num_committed + scratch).to(dev)) for seq in seqs]
         # Root: the full layer at position N-1 on (fc(F_{N-1}), b); it also writes that position's K/V.
-        g = model.fc(seq.features_between(n - 1, n)[:, self.cols])
-        read = seq.slots(0, n + scratch).to(dev)
-        root_slot = read[n - 1:n]
-        mask = torch.ones(1, n, dtype=torch.bool, device=dev)
-        h = model(embed(torch.tensor([seq.pending], device=dev)), g, torch.tensor([n - 1], device=dev),
-                  self.pool.k, self.pool.v, root_slot, read[:n], mask)
-        logp = model.draft_logprobs(h)[0]
-        top = torch.topk(logp, k)
-        # Candidate nodes (excluding the root): token, parent (candidate index or -1 = root), depth, score.
-        tokens = model.to_target_ids(top.indices).tolist()
-        parents, depths, scores = [-1] * k, [1] * k, top.values.tolist()
-        level, level_hidden = list(range(k)), h.expand(k, -1)    # nodes to expand and their parents' hidden
-        ancestors: dict[int, list[int]] = {-1: []}                # candidate -> scratch slots of expanded ancestors
+        feats = torch.cat([s.seq.features_between(s.n - 1, s.n) for s in searches])[:, self.cols]
+        h = model.forward_segments(
+            embed(torch.tensor([s.seq.pending for s in searches], device=dev)), model.fc(feats),
+            torch.tensor([s.n - 1 for s in searches], device=dev), self.pool.k, self.pool.v,
+            torch.cat([s.read[s.n - 1:s.n] for s in searches]),
+            [Segment(s.read[:s.n], torch.ones(1, s.n, dtype=torch.bool, device=dev)) for s in searches])
+        top = torch.topk(model.draft_logprobs(h), k)
+        for i, s in enumerate(searches):
+            s.start(model.to_target_ids(top.indices[i]).tolist(), top.values[i].tolist(), h[i:i + 1].expand(k, -1))
         for step in range(1, self.tree.depth):
-            width = len(level)
-            base = n + (step - 1) * k
-            slots = list(range(base, base + width))
-            mask = torch.zeros(width, n + scratch, dtype=torch.bool, device=dev)
-            mask[:, :n] = True
-            for j, node in enumerate(level):
-                ancestors[node] = ancestors[parents[node]] + [slots[j]]
-                mask[j, ancestors[node]] = True
-            out = model(embed(torch.tensor([tokens[i] for i in level], device=dev)), level_hidden,
-                        torch.full((width,), n - 1 + step, device=dev), self.pool.k, self.pool.v,
-                        read[base:base + width], read, mask)
-            child = torch.topk(model.draft_logprobs(out), k, dim=-1)              # [width, k]
-            child_scores = (torch.tensor([scores[i] for i in level], device=dev)[:, None] + child.values)
+            steps = [s.step_inputs(step, k, scratch) for s in searches]   # (tokens, positions, write, segment)
+            out = model.forward_segments(
+                embed(torch.tensor([t for tokens, *_ in steps for t in tokens], device=dev)),
+                torch.cat([s.level_hidden for s in searches]), torch.cat([p for _, p, _, _ in steps]), self.pool.k,
+                self.pool.v, torch.cat([w for _, _, w, _ in steps]), [seg for *_, seg in steps])
+            child = torch.topk(model.draft_logprobs(out), k, dim=-1)   # [rows of every sequence, k]
             child_ids = model.to_target_ids(child.indices)
-            first = len(tokens)
-            for j, node in enumerate(level):
-                tokens += child_ids[j].tolist()
-                parents += [node] * k
-                depths += [step + 1] * k
-                scores += child_scores[j].tolist()
-            best = torch.topk(child_scores.flatten(), k).indices.tolist()
-            level = [first + b for b in best]
-            level_hidden = out[[b // k for b in best]]
-        chosen = select_nodes(scores, depths, self.tree.total_tokens - 1)
+            first = 0
+            for s in searches:
+                rows = slice(first, first + len(s.level))
+                s.grow(step, child.values[rows], child_ids[rows], out[rows], k)
+                first = rows.stop
+        return [Proposal(s.tree(self.tree.total_tokens), frontier=s.n) for s in searches]
+
+
+class _TreeSearch:
+    """One sequence's EAGLE-2 search: candidate nodes (excluding the root) with token, parent (candidate index or
+    -1 = the root), depth and cumulative log-probability; `level` are the nodes the next depth expands."""
+
+    def __init__(self, seq: Sequence, read: torch.Tensor) -> None:
+        self.seq, self.read, self.n = seq, read, seq.num_committed
+        self.ancestors: dict[int, list[int]] = {-1: []}    # candidate -> scratch slots of expanded ancestors
+
+    def start(self, tokens: list[int], scores: list[float], hidden: torch.Tensor) -> None:
+        k = len(tokens)
+        self.tokens, self.parents, self.depths, self.scores = tokens, [-1] * k, [1] * k, scores
+        self.level, self.level_hidden = list(range(k)), hidden   # nodes to expand and their parents' hidden
+
+    def step_inputs(self, step: int, k: int, scratch: int):
+        """Depth `step`'s rows: the level's tokens at position N - 1 + step, written to scratch slots, each seeing the
+        context and its expanded ancestors."""
+        n, width, dev = self.n, len(self.level), self.read.device
+        base = n + (step - 1) * k
+        mask = torch.zeros(width, n + scratch, dtype=torch.bool, device=dev)
+        mask[:, :n] = True
+        for j, node in enumerate(self.level):
+            self.ancestors[node] = self.ancestors[self.parents[node]] + [base + j]
+            mask[j, self.ancestors[node]] = True
+        return ([self.tokens[i] for i in self.level], torch.full((width,), n - 1 + step, device=dev),
+                self.read[base:base + width], Segment(self.read, mask))
+
+    def grow(self, step: int, child_values: torch.Tensor, child_ids: torch.Tensor, out: torch.Tensor,
+             k: int) -> None:
+        """Add the level's top-k children; the next level is the k best of them."""
+        child_scores = torch.tensor([self.scores[i] for i in self.level], device=out.device)[:, None] + child_values
+        first = len(self.tokens)
+        for j, node in enumerate(self.level):
+            self.tokens += child_ids[j].tolist()
+            self.parents += [node] * k
+            self.depths += [step + 1] * k
+            self.scores += child_scores[j].tolist()
+        best = torch.topk(child_scores.flatten(), k).indices.tolist()
+        self.level = [first + b for b in best]
+        self.level_hidden = out[[b // k for b in best]]
+
+    def tree(self, total_tokens: int) -> DraftTree:
+        chosen = select_nodes(self.scores, self.depths, total_tokens - 1)
         index = {c: i + 1 for i, c in enumerate(chosen)}
-        tree = DraftTree([seq.pending] + [tokens[c] for c in chosen],
-                         [-1] + [index.get(parents[c], 0) for c in chosen],
-                         [0] + [depths[c] for c in chosen])
-        return Proposal(tree, frontier=n)
+        return DraftTree([self.seq.pending] + [self.tokens[c] for c in chosen],
+                         [-1] + [index.get(self.parents[c], 0) for c in chosen],
+                         [0] + [self.depths[c] for c in chosen])
 
 
 class DFlashProposer(Proposer):
