@@ -20,10 +20,14 @@ class RecordingProposer:
     def for_spec(self, spec):
         return RecordingProposer(self.inner.for_spec(spec), self.log)
 
+    def propose_many(self, seqs):
+        proposals = self.inner.propose_many(seqs)
+        for seq, proposal in zip(seqs, proposals):
+            self.log.append((self.inner.name, seq.num_committed, proposal.tree.tokens, proposal.tree.parents))
+        return proposals
+
     def propose(self, seq):
-        proposal = self.inner.propose(seq)
-        self.log.append((self.inner.name, seq.num_committed, proposal.tree.tokens, proposal.tree.parents))
-        return proposal
+        return self.propose_many([seq])[0]
 
 
 def _drafts(engine, prompt, spec, gen):

@@ -62,6 +62,8 @@ class Batch:
         """Admit what fits, run one round for everyone; -> the requests that ended (their blocks freed)."""
         joining = self._admit()
         everyone = joining + self.running
+        if not everyone:
+            return []
         try:
             drafts = self.engine.draft(self.running)
             feeds = ([self.engine.prefill_feed(req) for req in joining]

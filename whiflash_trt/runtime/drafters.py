@@ -221,24 +221,38 @@ class DFlashProposer(Proposer):
                   else embed(torch.tensor([self.model.config.mask_token_id], device=dev)))
         return torch.cat([root_e, mask_e.expand(self.draft_block_len - 1, -1)])
 
-    @torch.inference_mode()
-    def block_logits(self, seq: Sequence) -> torch.Tensor:
-        """[B-1, vocab] the target lm_head's logits at block slots 1..B-1: the drafts of positions N+1..N+B-1."""
+    def group_key(self) -> tuple:
+        return (self.name, self.tree)
+
+    def block_hidden(self, seq: Sequence) -> torch.Tensor:
+        """[B, H] the block's final-norm hidden states; slots 1..B-1 hold the drafts of positions N+1..N+B-1."""
         n, dev = seq.num_committed, self.pool.k.device
-        hidden = self.model(self.block_embeddings(seq.pending), torch.arange(n, n + self.draft_block_len, device=dev),
-                            self.pool.k, self.pool.v, seq.slots(0, n).to(dev))
-        return self.target.logits(hidden[1:])
+        return self.model(self.block_embeddings(seq.pending), torch.arange(n, n + self.draft_block_len, device=dev),
+                          self.pool.k, self.pool.v, seq.slots(0, n).to(dev))
 
     @torch.inference_mode()
+    def block_logits(self, seq: Sequence) -> torch.Tensor:
+        """[B-1, vocab] the target lm_head's logits at block slots 1..B-1."""
+        return self.target.logits(self.block_hidden(seq)[1:])
+
     def propose(self, seq: Sequence) -> Proposal:
-        """One block forward -> the DDTree of max_tree_tokens() nodes; with top_k 1, the chain of argmax drafts."""
-        logits = self.block_logits(seq)
-        if self.tree.top_k == 1:
-            tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist()[:self.max_tree_tokens() - 1])
-        else:
-            tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1),
-                                       self.max_tree_tokens(), self.tree.top_k)
-        return Proposal(tree, frontier=seq.num_committed)
+        return self.propose_many([seq])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
+        """A block forward per sequence, then ONE target lm_head over every block's drafts (its weights, the largest
+        matrix of the round, read once); each block gives the chain of its argmax drafts, or the DDTree of
+        `tree.total_tokens` nodes."""
+        hidden = torch.cat([self.block_hidden(seq)[1:] for seq in seqs])
+        proposals = []
+        for seq, logits in zip(seqs, self.target.logits(hidden).split(self.draft_block_len - 1)):
+            if self.tree.total_tokens is None:
+                tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist())
+            else:
+                tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1),
+                                           self.tree.total_tokens, self.tree.top_k)
+            proposals.append(Proposal(tree, frontier=seq.num_committed))
+        return proposals
 
 
 def max_prefix_tree_nodes(depth: int, top_k: int | None) -> int | float:
