@@ -103,4 +103,8 @@ class DFlash(Protocol):
     def __call__(self, block_embeds: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, read_slots: torch.Tensor) -> torch.Tensor: ...
 
+    def forward_many(self, block_embeds: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, reads: list[torch.Tensor]) -> torch.Tensor:
+        """Several sequences' blocks in one call ([S * B, ...]), block i over the context at reads[i]."""
+
     def kv_only(self, feats: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...

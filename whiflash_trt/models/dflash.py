@@ -65,20 +65,25 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 
 class DFlashAttention(Attention):
-    """The target's attention projections (Qwen3-style q/k norms); the block attends to the context at read_slots
-    and, bidirectionally, to itself."""
+    """The target's attention projections (Qwen3-style q/k norms); each block attends to its context and,
+    bidirectionally, to itself."""
 
-    def forward(self, x, cos, sin, k_pool, v_pool, read_slots):
-        """Block x [B, H] -> [B, H]."""
-        b = x.shape[0]
+    def forward(self, x, cos, sin, k_pool, v_pool, reads: list[torch.Tensor]):
+        """Blocks x [S * B, H] of S sequences (B rows each), block i over the context at reads[i] -> [S * B, H].
+        The projections run over every block at once; the attention block by block."""
+        b = x.shape[0] // len(reads)
         q, k, v = self.project(x, cos, sin)
-        # The block's own K/V are scratch: append them after the gathered context instead of writing the pool.
-        ctx = read_slots.numel()
-        k_all = torch.cat([k_pool.index_select(0, read_slots), k])
-        v_all = torch.cat([v_pool.index_select(0, read_slots), v])
-        slots = torch.arange(ctx + b, device=x.device)
-        mask = torch.ones(b, ctx + b, dtype=torch.bool, device=x.device)
-        return self.o_proj(paged_attention(q, k_all, v_all, slots, mask, self.scale))
+        outs = []
+        for i, read_slots in enumerate(reads):
+            rows = slice(i * b, (i + 1) * b)
+            # The block's own K/V are scratch: append them after the gathered context instead of writing the pool.
+            ctx = read_slots.numel()
+            k_all = torch.cat([k_pool.index_select(0, read_slots), k[rows]])
+            v_all = torch.cat([v_pool.index_select(0, read_slots), v[rows]])
+            slots = torch.arange(ctx + b, device=x.device)
+            mask = torch.ones(b, ctx + b, dtype=torch.bool, device=x.device)
+            outs.append(paged_attention(q[rows], k_all, v_all, slots, mask, self.scale))
+        return self.o_proj(torch.cat(outs))
 
 
 class DFlashLayer(nn.Module):
@@ -89,8 +94,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_pool, v_pool, read_slots):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, read_slots)
+    def forward(self, x, cos, sin, k_pool, v_pool, reads: list[torch.Tensor]):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, reads)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -116,10 +121,14 @@ class DFlashDrafter(nn.Module, DFlash):
         read_slots: torch.Tensor,    # [N] context slots in logical order
     ) -> torch.Tensor:
         """-> [B, H] final-norm hidden states; slots 1..B-1 go through the target's lm_head."""
+        return self.forward_many(block_embeds, positions, k_cache, v_cache, [read_slots])
+
+    def forward_many(self, block_embeds, positions, k_cache, v_cache, reads: list[torch.Tensor]) -> torch.Tensor:
+        """S sequences' blocks at once: block_embeds, positions [S * B, ...], block i over the context at reads[i]."""
         x = block_embeds
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], read_slots)
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], reads)
         return self.norm(x)
 
     def kv_only(self, feats: torch.Tensor, positions: torch.Tensor):

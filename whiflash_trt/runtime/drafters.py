@@ -224,28 +224,29 @@ class DFlashProposer(Proposer):
     def group_key(self) -> tuple:
         return (self.name, self.tree)
 
-    def block_hidden(self, seq: Sequence) -> torch.Tensor:
-        """[B, H] the block's final-norm hidden states; slots 1..B-1 hold the drafts of positions N+1..N+B-1."""
-        n, dev = seq.num_committed, self.pool.k.device
-        return self.model(self.block_embeddings(seq.pending), torch.arange(n, n + self.draft_block_len, device=dev),
-                          self.pool.k, self.pool.v, seq.slots(0, n).to(dev))
+    def block_logits(self, seq: Sequence) -> torch.Tensor:
+        """[B-1, vocab] the target lm_head's logits at block slots 1..B-1: the drafts of positions N+1..N+B-1."""
+        return self.block_logits_many([seq])[0]
 
     @torch.inference_mode()
-    def block_logits(self, seq: Sequence) -> torch.Tensor:
-        """[B-1, vocab] the target lm_head's logits at block slots 1..B-1."""
-        return self.target.logits(self.block_hidden(seq)[1:])
+    def block_logits_many(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Every sequence's block in one drafter forward, then ONE target lm_head over all their drafts (the
+        weights, the lm_head above all, read once)."""
+        dev, b = self.pool.k.device, self.draft_block_len
+        hidden = self.model.forward_many(
+            torch.cat([self.block_embeddings(seq.pending) for seq in seqs]),
+            torch.cat([torch.arange(seq.num_committed, seq.num_committed + b, device=dev) for seq in seqs]),
+            self.pool.k, self.pool.v, [seq.slots(0, seq.num_committed).to(dev) for seq in seqs])
+        drafts = hidden.view(len(seqs), b, -1)[:, 1:].flatten(0, 1)
+        return list(self.target.logits(drafts).split(b - 1))
 
     def propose(self, seq: Sequence) -> Proposal:
         return self.propose_many([seq])[0]
 
-    @torch.inference_mode()
     def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
-        """A block forward per sequence, then ONE target lm_head over every block's drafts (its weights, the largest
-        matrix of the round, read once); each block gives the chain of its argmax drafts, or the DDTree of
-        `tree.total_tokens` nodes."""
-        hidden = torch.cat([self.block_hidden(seq)[1:] for seq in seqs])
+        """Each block gives the chain of its argmax drafts, or the DDTree of `tree.total_tokens` nodes."""
         proposals = []
-        for seq, logits in zip(seqs, self.target.logits(hidden).split(self.draft_block_len - 1)):
+        for seq, logits in zip(seqs, self.block_logits_many(seqs)):
             if self.tree.total_tokens is None:
                 tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist())
             else:
