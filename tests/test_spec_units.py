@@ -156,9 +156,9 @@ def test_router_history_ema_updates_for_the_drafter_that_drafted_and_relaxes_the
     assert hist.ema == {"eagle3": 3.0, "dflash": 1.0}
     hist.update("none", 0)                  # neither drafted: both relax toward their priors
     assert hist.ema == {"eagle3": 2.5, "dflash": 1.0}
-    f = dict(zip(FEATURES, hist.features(0.7, 0.2)))
-    assert f == {"entropy": 0.7, "margin": 0.2, "ema_eagle3": 2.5, "ema_dflash": 1.0, "prev_none": 1.0,
-                 "prev_eagle3": 0.0, "prev_dflash": 0.0, "prev_accepted": 0.0}
+    f = dict(zip(FEATURES, hist.features(0.7, 0.2)))   # the first round: its entropy is the EMA
+    assert f == {"entropy": 0.7, "margin": 0.2, "ema_entropy": 0.7, "ema_eagle3": 2.5, "ema_dflash": 1.0,
+                 "prev_none": 1.0, "prev_eagle3": 0.0, "prev_dflash": 0.0, "prev_accepted": 0.0}
 
 
 def test_entropy_router_skips_drafting_above_its_none_threshold():

@@ -117,7 +117,7 @@ class NeuralRouter(Router):
 
 
 # ----- throughput router (v2) -----------------------------------------------------------------------------------
-FEATURES = ("entropy", "margin", "ema_eagle3", "ema_dflash", "prev_none", "prev_eagle3", "prev_dflash",
+FEATURES = ("entropy", "margin", "ema_entropy", "ema_eagle3", "ema_dflash", "prev_none", "prev_eagle3", "prev_dflash",
             "prev_accepted")
 
 
@@ -125,7 +125,9 @@ class RouterHistory:
     """The free per-request state behind the throughput router's features. Each drafter's EMA (weight `alpha` on
     the newest round) of its own accepted drafts starts at its prior (the training mean) and is updated when that
     drafter drafts; every round it does not draft it relaxes toward the prior by `relax`, so a drafter that stopped
-    paying is retried once its bad streak is old. The trainer's walks use this same class."""
+    paying is retried once its bad streak is old. The target's entropy at the bonus position is smoothed with the
+    same `alpha` over every round (a slow, category-like signal next to the round's own). The trainer's walks use
+    this same class."""
 
     def __init__(self, priors: dict[str, float], alpha: float = 0.5, relax: float = 0.0) -> None:
         if not 0 < alpha <= 1 or not 0 <= relax <= 1:
@@ -134,6 +136,7 @@ class RouterHistory:
         self.ema = dict(priors)
         self.prev: str | None = None
         self.prev_accepted = 0
+        self.ema_entropy: float | None = None
 
     def update(self, drafter: str | None, accepted: int) -> None:
         """Record the round that just ended (None: prefill, nothing drafted)."""
@@ -145,8 +148,10 @@ class RouterHistory:
         self.prev, self.prev_accepted = drafter, accepted
 
     def features(self, entropy: float, margin: float) -> list[float]:
-        """In FEATURES order."""
-        return [entropy, margin, self.ema[EAGLE3], self.ema[DFLASH], float(self.prev == NO_DRAFT),
+        """In FEATURES order; call once per round (it advances the entropy EMA)."""
+        self.ema_entropy = entropy if self.ema_entropy is None else \
+            self.alpha * entropy + (1 - self.alpha) * self.ema_entropy
+        return [entropy, margin, self.ema_entropy, self.ema[EAGLE3], self.ema[DFLASH], float(self.prev == NO_DRAFT),
                 float(self.prev == EAGLE3), float(self.prev == DFLASH), float(self.prev_accepted)]
 
 
