@@ -142,7 +142,7 @@ def test_throughput_router_file_round_trip_and_clear_errors(tmp_path):
 
     from safetensors.torch import save_file
 
-    from whiflash_trt.spec.router import AcceptancePredictor
+    from whiflash_trt.spec.router import FEATURES, AcceptancePredictor
     from whiflash_trt.spec.router_file import save_throughput_router
 
     p = AcceptancePredictor(8)
@@ -152,7 +152,7 @@ def test_throughput_router_file_round_trip_and_clear_errors(tmp_path):
     loaded = load_router(tmp_path / "r2.safetensors", 64)     # v2 does not read the hidden state: any size
     assert (loaded.version, loaded.threshold, loaded.relax, loaded.round_seconds) == (2, 1.1, 0.05, costs)
     assert (loaded.entropy_threshold, loaded.entropy_none_threshold) == (0.5, 2.0)
-    x = torch.randn(3, 8)
+    x = torch.randn(3, len(FEATURES))
     assert torch.allclose(loaded.predictor(x), p(x))
     v1 = tmp_path / "r1.safetensors"
     save_router(RouterMLP(64, 8), v1, threshold=0.5)
