@@ -104,3 +104,26 @@ def test_cancelled_and_failing_requests_end_alone_and_free_their_blocks(spec_eng
         reqs[2].result()
     keep = [0, 3]
     assert_same_as_alone(spec_engine, [work[i] for i in keep], [reqs[i].result() for i in keep])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_trees_grown_together_equal_trees_grown_alone(spec_engine_dir, dtype):
+    engine = Engine.load(spec_engine_dir, dtype=dtype)
+    batch = Batch(engine, max_running=4)
+    reqs = [batch.submit(engine.request(p, GenerationConfig(max_new_tokens=30), SpecConfig(mode="eagle3")))
+            for p, _, _ in jobs(engine, 4, seed=5)]
+    batch.step()   # prefill
+    batch.step()   # one round: the sequences now differ in length
+    proposer = reqs[0].proposers["eagle3"]
+    seqs = [r.seq for r in batch.running]
+    assert len(seqs) == 4
+    for seq in seqs:
+        proposer.catch_up(seq)
+    together = proposer.propose_many(seqs)
+    for seq, got in zip(seqs, together):
+        alone = proposer.propose(seq)
+        assert (got.tree.tokens, got.tree.parents, got.tree.depths) == (alone.tree.tokens, alone.tree.parents,
+                                                                         alone.tree.depths)
+    for req in list(batch.running):
+        batch.cancel(req, RuntimeError("done"))
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks

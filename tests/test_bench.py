@@ -278,3 +278,14 @@ def test_bench_cli_rejects_an_unknown_category(bench_engine_dir, tmp_path, capsy
 
     assert main(["--engine", str(bench_engine_dir), "--categories", "poetry", "--out", str(tmp_path)]) == 2
     assert "unknown category" in capsys.readouterr().err
+
+
+def test_bench_dflash_tree_budget_reaches_the_dflash_mode_and_stays_lossless(bench_engine_dir, tmp_path):
+    from whiflash_trt.bench.cli import main
+
+    rc = main(["--engine", str(bench_engine_dir), "--categories", "code", "--modes", "ar,dflash",
+               "--num-prompts", "1", "--max-new-tokens", "12", "--dtype", "fp32", "--out", str(tmp_path),
+               "--no-progress", "--warmup", "0", "--dflash-tree-total-tokens", "10", "--dflash-tree-top-k", "3"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0, results["lossless"]
+    assert results["modes"]["dflash"]["dflash_tree"] == {"total_tokens": 10, "top_k": 3}

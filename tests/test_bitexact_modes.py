@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 MAX_NEW_TOKENS = 96
 PROMPT_IDS = {"code": ["HumanEval/1"], "math": ["gsm_symbolic/seed0/0", "gsm_symbolic/seed0/1"],
               "chat": ["mt_bench/81/writing"]}
-MODES = [["--mode", "eagle3"], ["--mode", "dflash"], ["--mode", "whiflash", "--router", "entropy"],
+MODES = [["--mode", "eagle3"], ["--mode", "dflash"], ["--mode", "dflash", "--dflash-tree-top-k", "1"],
+         ["--mode", "dflash", "--dflash-tree-total-tokens", "16"], ["--mode", "whiflash", "--router", "entropy"],
          ["--mode", "whiflash", "--router", "neural"]]
 
 

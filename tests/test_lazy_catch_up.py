@@ -3,8 +3,9 @@ drafts that updating both drafters every round (eager) gives, on sequences that 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
-from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.config import DFLASH, DFlashTreeConfig, GenerationConfig, SpecConfig
 
 
 class RecordingProposer:
@@ -16,13 +17,17 @@ class RecordingProposer:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def with_tree(self, tree):
-        return RecordingProposer(self.inner.with_tree(tree), self.log)
+    def for_spec(self, spec):
+        return RecordingProposer(self.inner.for_spec(spec), self.log)
+
+    def propose_many(self, seqs):
+        proposals = self.inner.propose_many(seqs)
+        for seq, proposal in zip(seqs, proposals):
+            self.log.append((self.inner.name, seq.num_committed, proposal.tree.tokens, proposal.tree.parents))
+        return proposals
 
     def propose(self, seq):
-        proposal = self.inner.propose(seq)
-        self.log.append((self.inner.name, seq.num_committed, proposal.tree.tokens, proposal.tree.parents))
-        return proposal
+        return self.propose_many([seq])[0]
 
 
 def _drafts(engine, prompt, spec, gen):
@@ -55,3 +60,33 @@ def test_lazy_and_eager_catch_up_propose_identical_drafts(spec_engine):
             total_backlog += lazy.stats["catch_up_tokens"]
     assert total_switches >= 10, "the sequences must switch often for this test to mean anything"
     assert total_backlog > 0
+
+
+def test_dflash_cache_after_ddtree_rounds_is_what_a_fresh_prefill_gives(spec_engine):
+    """After a tree round DFlash's context holds the accepted path's features, compacted: at every round's state, its
+    block logits equal those of a fresh prefill of the same committed tokens (and lazy == eager across switches)."""
+    tree = DFlashTreeConfig(total_tokens=12)
+    rng = random.Random(5)
+    vocab = spec_engine.target.config.vocab_size
+    checked = moved = 0
+    for spec in (SpecConfig("dflash", dflash_tree=tree),
+                 SpecConfig("whiflash", "entropy", 1.5, "lazy", dflash_tree=tree)):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(2, 20))]
+        gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+        out, log = _drafts(spec_engine, prompt, spec, gen)
+        eager, eager_log = _drafts(spec_engine, prompt, replace(spec, catch_up="eager"), gen)
+        assert log == eager_log and out.token_ids == eager.token_ids
+        proposer = spec_engine.proposers[DFLASH].for_spec(spec)
+        for name, n, tokens, parents in log:
+            if name != DFLASH:
+                continue
+            committed = prompt + out.token_ids[:n - len(prompt)]
+            with spec_engine.scratch_sequence(committed, n + proposer.max_tree_tokens()) as seq:
+                target = spec_engine.runner.step(seq, committed, logits_rows=[n - 1], capture=True)
+                seq.commit(committed, tokens[0], target.captured, {DFLASH: 0})
+                seq.frontiers[DFLASH] = proposer.catch_up(seq)
+                fresh = proposer.propose(seq).tree
+            assert (fresh.tokens, fresh.parents) == (tokens, parents), f"round at {n}"
+            checked += 1
+        moved += sum(1 for _, t in out.stats["trace"] if t > 1)
+    assert checked >= 8 and moved >= 3, "several DDTree rounds, some of them accepting drafts, must be checked"

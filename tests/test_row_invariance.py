@@ -101,10 +101,16 @@ def assert_rows_invariant(model: TargetModel, context_tokens: int, chain_len: in
         assert torch.equal(got[node], want), f"tree node {node} after {context_tokens} context tokens differs"
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-fused"])
 def tiny_targets(request, tiny_checkpoint) -> dict[torch.dtype, TargetModel]:
-    ckpt = load_hf_checkpoint(tiny_checkpoint(request.param))
-    return {dtype: instantiate_target(ckpt, dtype) for dtype in (torch.bfloat16, torch.float32)}
+    """-fused: the engine's inference layout (TargetModel.fuse_projections: bf16 weights prepacked for oneDNN, fp32
+    weights input-major), whose GEMMs must keep rows independent of the row count too."""
+    arch, _, fused = request.param.partition("-")
+    ckpt = load_hf_checkpoint(tiny_checkpoint(arch))
+    models = {dtype: instantiate_target(ckpt, dtype) for dtype in (torch.bfloat16, torch.float32)}
+    for model in models.values() if fused else ():
+        model.fuse_projections()
+    return models
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

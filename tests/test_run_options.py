@@ -67,6 +67,13 @@ def test_threads_sets_torch_threads_and_defaults_to_half_the_cores(tiny_engine):
     assert "--threads must be >= 1, got 0" in error_line("--engine", engine, "--prompt", "hi", "--threads", 0)
 
 
+def test_a_dflash_tree_run_gives_the_ar_output(spec_engine_dir):
+    base = ("--engine", spec_engine_dir, "--prompt", "abc def", "--max-new-tokens", 20, "--json")
+    ar = json.loads(run(*base, "--mode", "ar").stdout)
+    tree = json.loads(run(*base, "--mode", "dflash", "--dflash-tree-total-tokens", 14, "--dflash-tree-top-k", 3).stdout)
+    assert tree["token_ids"] == ar["token_ids"] and tree["stats"]["mode"] == "dflash"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device", "tpu"], "unknown device 'tpu'; expected cpu, cuda or cuda:N"),
     (["--tree-top-k", "0"], "tree needs top_k >= 1"),
@@ -76,7 +83,13 @@ def test_threads_sets_torch_threads_and_defaults_to_half_the_cores(tiny_engine):
     (["--mode", "eagle3", "--threshold", "1", "--catch-up", "eager"],
      "--threshold, --catch-up apply only to --mode whiflash"),
     (["--mode", "dflash", "--tree-depth", "3"], "--tree-depth applies only to the EAGLE-3 drafter"),
-], ids=["device", "tree", "kv-budget", "stream-json", "router-with-ar", "threshold-with-eagle3", "tree-with-dflash"])
+    (["--mode", "eagle3", "--dflash-tree-total-tokens", "8"],
+     "--dflash-tree-total-tokens applies only to the DFlash drafter; this run's mode is eagle3"),
+    (["--dflash-tree-total-tokens", "1"], "DFlash tree total_tokens must be >= 2"),
+    (["--mode", "dflash", "--dflash-tree-total-tokens", "9", "--dflash-tree-top-k", "1"],
+     "a DFlash tree of 9 nodes does not fit this drafter: 5 drafts per block with top_k 1 hold at most 6 nodes"),
+], ids=["device", "tree", "kv-budget", "stream-json", "router-with-ar", "threshold-with-eagle3", "tree-with-dflash",
+        "dflash-tree-with-eagle3", "dflash-tree-too-small", "dflash-tree-too-big"])
 def test_bad_or_ignored_options_are_one_error_line(spec_engine_dir, argv, message):
     assert message in error_line("--engine", spec_engine_dir, "--prompt", "hi", *argv)
 

@@ -94,7 +94,7 @@ def test_chain_with_rejections_keeps_target_distribution():
 # ----- through the engine: every mode samples the first two tokens from the target's distribution -----------------
 import pytest  # noqa: E402
 
-from whiflash_trt.config import GenerationConfig, SamplingConfig, SpecConfig  # noqa: E402
+from whiflash_trt.config import DFlashTreeConfig, GenerationConfig, SamplingConfig, SpecConfig  # noqa: E402
 from whiflash_trt.spec.sampling import target_probs  # noqa: E402
 
 SAMPLING = SamplingConfig(temperature=0.8, top_k=3, top_p=0.95)
@@ -105,7 +105,10 @@ def _target_next_probs(engine, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec", [SpecConfig("ar"), SpecConfig("eagle3"), SpecConfig("dflash"),
-                                  SpecConfig("whiflash", "entropy", 1.5)], ids=lambda s: s.mode)
+                                  SpecConfig("dflash", dflash_tree=DFlashTreeConfig(top_k=1)),
+                                  SpecConfig("dflash", dflash_tree=DFlashTreeConfig(total_tokens=10)),
+                                  SpecConfig("whiflash", "entropy", 1.5)],
+                         ids=["ar", "eagle3", "dflash", "dflash-chain", "dflash-ddtree-10", "whiflash"])
 def test_engine_sampling_matches_target_distribution(spec_engine, spec):
     prompt = [5, 17, 42, 8]
     p1 = _target_next_probs(spec_engine, prompt)

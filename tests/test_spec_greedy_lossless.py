@@ -5,16 +5,21 @@ import random
 
 import pytest
 
-from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
-from whiflash_trt.runtime.drafters import Proposal
+from whiflash_trt.config import DFlashTreeConfig, GenerationConfig, SpecConfig, TreeConfig
+from whiflash_trt.runtime.drafters import Proposal, Proposer
 from whiflash_trt.spec.tree import DraftTree
 
 SPECS = [
     SpecConfig(mode="eagle3"),
     SpecConfig(mode="eagle3", tree=TreeConfig(top_k=1, depth=4, total_tokens=5)),      # chain
     SpecConfig(mode="eagle3", tree=TreeConfig(top_k=3, depth=3, total_tokens=8)),
-    SpecConfig(mode="dflash"),
+    SpecConfig(mode="dflash"),                                                                # DDTree, block size
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(top_k=1)),                         # the block's chain
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=12)),
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=9, top_k=2)),
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=4, top_k=1)),         # a shorter chain
     SpecConfig(mode="whiflash", router="entropy", threshold=1.5),
+    SpecConfig(mode="whiflash", router="entropy", threshold=1.5, dflash_tree=DFlashTreeConfig(total_tokens=16)),
     SpecConfig(mode="whiflash", router="entropy", threshold=1.2, catch_up="eager"),
     SpecConfig(mode="whiflash", router="neural", threshold=0.0),
     SpecConfig(mode="whiflash", router="neural", threshold=0.2, catch_up="eager"),
@@ -26,7 +31,8 @@ def _prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.router}-{s.threshold}-{s.catch_up}-k{s.tree.top_k}")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.router}-{s.threshold}-{s.catch_up}-k{s.tree.top_k}"
+                                              f"-dd{s.dflash_tree.total_tokens}.{s.dflash_tree.top_k}")
 def test_every_mode_equals_target_only_greedy(spec_engine, spec):
     vocab = spec_engine.target.config.vocab_size
     for i, prompt in enumerate(_prompts(5, seed=len(SPECS) + spec.tree.top_k, vocab=vocab)):
@@ -50,7 +56,7 @@ def test_whiflash_routes_to_both_drafters_and_switches(spec_engine):
     assert seen == {"eagle3", "dflash"} and switches > 0
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """A drafter test double that knows the target's greedy continuation and proposes it with corruptions, as a
     chain or as a tree whose correct child sits among decoys: it exercises long accepted blocks, tree compaction,
     and EOS / the token limit landing inside an accepted block. Only verification and commit are under test."""
@@ -58,6 +64,9 @@ class OracleProposer:
     def __init__(self, name, reference: list[int], tree: bool, block: int, seed: int) -> None:
         self.name, self.reference, self.tree, self.block = name, reference, tree, block
         self.rng = random.Random(seed)
+
+    def for_spec(self, spec):
+        return self
 
     def scratch_slots(self):
         return 0

@@ -9,7 +9,7 @@ import torch
 
 from tiny_drafters import build_tiny_engine
 from tiny_models import make_tiny_checkpoint
-from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
+from whiflash_trt.config import DFlashTreeConfig, GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.train.checkpointing import read_log
@@ -103,7 +103,7 @@ def test_runtime_dflash_block_matches_training_forward(workspace, trained_engine
     # the runtime at the state "committed x_0..x_{anchor-1}, bonus x_anchor"
     with engine.scratch_sequence(seq.tokens[:anchor].tolist(), anchor + 4) as s:
         s.commit(seq.tokens[:anchor].tolist(), int(seq.tokens[anchor]), seq.features[:anchor].clone())
-        proposer = engine.proposers["dflash"]
+        proposer = engine.proposers["dflash"].with_tree(DFlashTreeConfig(top_k=1))   # the block's chain
         proposer.catch_up(s)
         drafts = proposer.propose(s).tree.tokens[1:]
     assert drafts == trained

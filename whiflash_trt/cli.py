@@ -7,8 +7,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, EAGLE3, MODE_DRAFTERS, MODES, ROUTERS, WHIFLASH,
-                                 CacheConfig, GenerationConfig, SamplingConfig, SpecConfig, TreeConfig)
+from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, DFLASH, EAGLE3, MODE_DRAFTERS, MODES, ROUTERS, WHIFLASH,
+                                 CacheConfig, DFlashTreeConfig, GenerationConfig, SamplingConfig, SpecConfig,
+                                 TreeConfig)
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
@@ -247,6 +248,11 @@ def run_parser() -> argparse.ArgumentParser:
                                                   f"(default: {TreeConfig.depth})")
     p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round, root included "
                                                          f"(default: {TreeConfig.total_tokens})")
+    p.add_argument("--dflash-tree-total-tokens", type=int,
+                   help="DFlash tree (DDTree): nodes verified per round, root included, the most probable prefixes "
+                        "under the block's per-position distributions (default: the drafter's block length)")
+    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
+                                                         "chain (default: no limit)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
@@ -280,7 +286,8 @@ def _requested_spec(args) -> SpecConfig:
     tree = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
                               ("total_tokens", args.tree_total_tokens)) if v is not None}
     return SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold,
-                      catch_up=args.catch_up or SpecConfig.catch_up, tree=TreeConfig(**tree))
+                      catch_up=args.catch_up or SpecConfig.catch_up, tree=TreeConfig(**tree),
+                      dflash_tree=DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k))
 
 
 def _check_options_apply(args, mode: str) -> None:
@@ -293,6 +300,11 @@ def _check_options_apply(args, mode: str) -> None:
             if getattr(args, k) is not None]
     if tree and EAGLE3 not in MODE_DRAFTERS[mode]:
         raise WhiflashError(f"{', '.join(tree)} {_verb(tree)} only to the EAGLE-3 drafter; this run's mode is {mode}")
+    dflash_tree = [f"--{k.replace('_', '-')}" for k in ("dflash_tree_total_tokens", "dflash_tree_top_k")
+                   if getattr(args, k) is not None]
+    if dflash_tree and DFLASH not in MODE_DRAFTERS[mode]:
+        raise WhiflashError(f"{', '.join(dflash_tree)} {_verb(dflash_tree)} only to the DFlash drafter; this run's "
+                            f"mode is {mode}")
 
 
 def _verb(options: list[str]) -> str:

@@ -213,6 +213,21 @@ class TreeConfig:
 
 
 @dataclass(frozen=True)
+class DFlashTreeConfig:
+    """DFlash's draft per round, from one block forward: the DDTree of the total_tokens - 1 most probable prefixes
+    under the block's per-position distributions (spec.ddtree). top_k 1 with the block length is the block's chain.
+    Default: as many nodes as the chain (measured faster than the chain on CPU: see the drafters' model card)."""
+    total_tokens: int | None = None   # nodes verified per round, root (bonus) included; None = the block length
+    top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
+
+    def __post_init__(self) -> None:
+        if self.total_tokens is not None and self.total_tokens < 2:
+            raise ValueError(f"DFlash tree total_tokens must be >= 2 (the root and a draft), got {self.total_tokens}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"DFlash tree top_k must be >= 1 (1 = a chain), got {self.top_k}")
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Which drafter(s) run and how. mode and router "auto" = the engine's default (runtime.policy); threshold None =
     the router's own default (from its weights file or the built-in entropy default)."""
@@ -221,6 +236,7 @@ class SpecConfig:
     threshold: float | None = None
     catch_up: str = "lazy"
     tree: TreeConfig = field(default_factory=TreeConfig)   # EAGLE-3 only
+    dflash_tree: DFlashTreeConfig = field(default_factory=DFlashTreeConfig)   # DFlash only
 
     def __post_init__(self) -> None:
         if self.mode not in (AUTO, *MODES):

@@ -9,7 +9,7 @@ from pathlib import Path
 from whiflash_trt.bench.harness import BenchOptions, run_benchmark
 from whiflash_trt.bench.modes import BASE_MODES
 from whiflash_trt.bench.prompts import CATEGORIES
-from whiflash_trt.config import CATCH_UP, SpecConfig, TreeConfig
+from whiflash_trt.config import CATCH_UP, DFlashTreeConfig, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.runtime.device import default_threads
@@ -59,6 +59,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-depth", type=int, default=TreeConfig.depth, help="EAGLE-3 tree: draft steps")
     p.add_argument("--tree-total-tokens", type=int, default=TreeConfig.total_tokens,
                    help="EAGLE-3 tree: nodes verified per round, root included")
+    p.add_argument("--dflash-tree-total-tokens", type=int,
+                   help="DFlash tree (DDTree): nodes verified per round, root included (default: the block length)")
+    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
+                                                         "chain (default: no limit)")
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="torch threads (headline runs: 2; on a machine shared with other jobs fewer threads than "
@@ -79,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             near_tie=args.near_tie, kv_budget_mb=args.kv_budget_mb, threads=args.threads,
             show_progress=not args.no_progress,
             spec=SpecConfig(catch_up=args.catch_up, tree=TreeConfig(args.tree_top_k, args.tree_depth,
-                                                                    args.tree_total_tokens)),
+                                                                    args.tree_total_tokens),
+                            dflash_tree=DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k)),
             command_line=command)
         results = run_benchmark(opts)
     except (WhiflashError, ValueError) as e:

@@ -80,6 +80,11 @@ class Eagle3(Protocol):
                  v_cache: torch.Tensor, write_slots: torch.Tensor, read_slots: torch.Tensor,
                  attn_mask: torch.Tensor) -> torch.Tensor: ...
 
+    def forward_segments(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor,
+                         segments: list[Segment]) -> torch.Tensor:
+        """Several sequences' steps in one call (the Target's forward_segments rule)."""
+
     def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor: ...
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...

@@ -93,10 +93,16 @@ class Eagle3Drafter(nn.Module, Eagle3):
         attn_mask: torch.Tensor,    # [T, S] bool
     ) -> torch.Tensor:
         """-> [T, H] output hidden state (before the final norm), fed back as g at the next draft depth."""
+        return self.forward_segments(embeds, hidden, positions, k_cache, v_cache, write_slots,
+                                     [Segment(read_slots, attn_mask)])
+
+    def forward_segments(self, embeds, hidden, positions, k_cache, v_cache, write_slots,
+                         segments: list[Segment]) -> torch.Tensor:
+        """Several sequences' draft steps in one call: the rows of segments[i] see only its keys."""
         layer = self.midlayer
         cos, sin = self.rotary(positions, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        keys = key_layout([Segment(read_slots, attn_mask)], self.config.num_heads // self.config.num_kv_heads)
+        keys = key_layout(segments, self.config.num_heads // self.config.num_kv_heads)
         h = hidden + layer.self_attn(x, cos, sin, k_cache[0], v_cache[0], write_slots, keys)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 

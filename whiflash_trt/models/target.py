@@ -13,7 +13,7 @@ from torch import nn
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.models.attention import KeyLayout, key_layout, row_invariant_attention
 from whiflash_trt.models.contracts import Segment, Target, TargetOutput
-from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear
+from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear
 
 
 class Attention(nn.Module):
@@ -33,7 +33,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_weight: torch.Tensor | None = None  # set by TargetModel.fuse_projections
+        self.qkv: FrozenLinear | None = None  # set by fuse(), with self.o
 
     def fuse(self) -> None:
         """One [q;k;v] matrix; q/k/v_proj become views into it, so names and state_dict stay the checkpoint's."""
@@ -47,18 +47,18 @@ class Attention(nn.Module):
             if bias is not None:
                 p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
             start += n
-        self.qkv_weight, self.qkv_bias = fused, bias
         self.o_proj.weight = nn.Parameter(k_major(self.o_proj.weight), requires_grad=False)
+        self.qkv, self.o = FrozenLinear(fused, bias), FrozenLinear(self.o_proj.weight, self.o_proj.bias)
 
     def project(self, x, cos, sin):
         """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
         RoPE (cos/sin broadcast over the heads)."""
         lead = x.shape[:-1]
-        if self.qkv_weight is None:
+        if self.qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv = self.num_kv_heads * self.head_dim
-            q, k, v = row_linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], -1)
+            q, k, v = self.qkv(x).split([self.num_heads * self.head_dim, kv, kv], -1)
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         k_pool.index_copy_(0, write_slots, k)
         v_pool.index_copy_(0, write_slots, v)
         out = row_invariant_attention(q, k_pool, v_pool, keys, self.scale)
-        return row_linear(out, self.o_proj.weight, self.o_proj.bias)
+        return self.o(out) if self.qkv is not None else row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -98,6 +98,7 @@ class TargetModel(nn.Module, Target):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.head: FrozenLinear | None = None  # the lm_head, set by fuse_projections
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,7 +108,7 @@ class TargetModel(nn.Module, Target):
         return self.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.head(hidden) if self.head is not None else self.lm_head(hidden)
 
     def fuse_projections(self) -> None:
         """Inference-only: one matmul for q/k/v and one for gate/up per layer (fewer, larger weight streams), every
@@ -119,6 +120,7 @@ class TargetModel(nn.Module, Target):
         if self.lm_head.weight is self.embed_tokens.weight:
             self.embed_tokens.weight = head
         self.lm_head.weight = head
+        self.head = FrozenLinear(head)
 
     def forward(
         self,
@@ -151,6 +153,6 @@ class TargetModel(nn.Module, Target):
                 captured.append((capture_layers.index(i), x))
         rows = x if logits_indices is None else x.index_select(0, logits_indices)
         hidden = self.norm(rows)
-        logits = row_linear(hidden, self.lm_head.weight)
+        logits = self.head(hidden) if self.head is not None else row_linear(hidden, self.lm_head.weight)
         feats = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
         return TargetOutput(logits=logits, hidden=hidden, captured=feats)

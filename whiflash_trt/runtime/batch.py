@@ -1,8 +1,8 @@
 """Continuous batching: many requests advance together, one target forward per round.
 
-Each step, every running request drafts on its own (its router picks its drafter, lazy catch-up per sequence), then
-ONE target forward verifies every request's tree or chain and prefills the requests that joined, and each request
-verifies and commits on its own. The target's rows do not depend on the other sequences of the call
+Each step, every running request routes on its own signal and catches up its chosen drafter (lazy, per sequence);
+the requests that chose the same drafter (and tree shape) propose together; then ONE target forward verifies every
+request's tree or chain and prefills the requests that joined, and each request verifies and commits on its own. The target's rows do not depend on the other sequences of the call
 (models/attention.py), so a request's greedy output is exactly its output alone, and its sampling draws come from its
 own generator.
 
@@ -62,8 +62,10 @@ class Batch:
         """Admit what fits, run one round for everyone; -> the requests that ended (their blocks freed)."""
         joining = self._admit()
         everyone = joining + self.running
+        if not everyone:
+            return []
         try:
-            drafts = [self.engine.draft(req) for req in self.running]
+            drafts = self.engine.draft(self.running)
             feeds = ([self.engine.prefill_feed(req) for req in joining]
                      + [self.engine.verify_feed(req, d) for req, d in zip(self.running, drafts)])
             start = time.perf_counter()

@@ -11,10 +11,12 @@ from typing import ClassVar
 
 import torch
 
-from whiflash_trt.config import DFLASH, EAGLE3, TreeConfig
-from whiflash_trt.models.contracts import DFlash, Eagle3, Target, feature_columns
+from whiflash_trt.config import DFLASH, EAGLE3, DFlashTreeConfig, SpecConfig, TreeConfig
+from whiflash_trt.errors import WhiflashError
+from whiflash_trt.models.contracts import DFlash, Eagle3, Segment, Target, feature_columns
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
+from whiflash_trt.spec.ddtree import best_prefix_tree
 from whiflash_trt.spec.tree import DraftTree, select_nodes
 
 
@@ -26,13 +28,21 @@ class Proposal:
 
 class Proposer:
     """A drafter bound to its KV pool and the target, with its features' columns in the union capture of every verify.
-    Each has a name, max_tree_tokens() (nodes a round verifies), scratch_slots() (pool slots its draft steps use),
-    backlog(seq), catch_up(seq) -> frontier, propose(seq)."""
+    Each has a name, for_spec(spec) (a copy shaped by the request's tree settings), max_tree_tokens() (nodes a
+    round verifies), scratch_slots() (pool slots its draft steps use), backlog(seq), catch_up(seq) -> frontier,
+    propose(seq), and propose_many(seqs) for proposers of one group_key()."""
     name: ClassVar[str]
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         self.model, self.pool, self.target = model, pool, target
         self.cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
+
+    def group_key(self) -> tuple:
+        """Proposers with equal keys can propose_many together."""
+        return (self.name,)
+
+    def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
+        return [self.propose(seq) for seq in seqs]
 
 
 class Eagle3Proposer(Proposer):
@@ -40,10 +50,16 @@ class Eagle3Proposer(Proposer):
     model: Eagle3
     tree = TreeConfig()      # the request's shape: see with_tree
 
+    def group_key(self) -> tuple:
+        return (self.name, self.tree)
+
     def with_tree(self, tree: TreeConfig) -> "Eagle3Proposer":
         shaped = copy.copy(self)
         shaped.tree = tree
         return shaped
+
+    def for_spec(self, spec: SpecConfig) -> "Eagle3Proposer":
+        return self.with_tree(spec.tree)
 
     def scratch_slots(self) -> int:
         return (self.tree.depth - 1) * self.tree.top_k
@@ -69,70 +85,118 @@ class Eagle3Proposer(Proposer):
         self.pool.k[:, slots], self.pool.v[:, slots] = k, v
         return end
 
-    @torch.inference_mode()
     def propose(self, seq: Sequence) -> Proposal:
-        """EAGLE-2 style dynamic tree: expand the top_k best nodes per depth, keep the best total_tokens - 1."""
-        n, k, dev, scratch = seq.num_committed, self.tree.top_k, self.pool.k.device, self.scratch_slots()
+        return self.propose_many([seq])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
+        """EAGLE-2 style dynamic trees, one per sequence, grown together: every depth is one drafter forward over
+        all sequences (each row sees only its own sequence's keys)."""
+        k, dev, scratch = self.tree.top_k, self.pool.k.device, self.scratch_slots()
         model, embed = self.model, self.target.embed
+        searches = [_TreeSearch(seq, seq.slots(0, seq.num_committed + scratch).to(dev)) for seq in seqs]
         # Root: the full layer at position N-1 on (fc(F_{N-1}), b); it also writes that position's K/V.
-        g = model.fc(seq.features_between(n - 1, n)[:, self.cols])
-        read = seq.slots(0, n + scratch).to(dev)
-        root_slot = read[n - 1:n]
-        mask = torch.ones(1, n, dtype=torch.bool, device=dev)
-        h = model(embed(torch.tensor([seq.pending], device=dev)), g, torch.tensor([n - 1], device=dev),
-                  self.pool.k, self.pool.v, root_slot, read[:n], mask)
-        logp = model.draft_logprobs(h)[0]
-        top = torch.topk(logp, k)
-        # Candidate nodes (excluding the root): token, parent (candidate index or -1 = root), depth, score.
-        tokens = model.to_target_ids(top.indices).tolist()
-        parents, depths, scores = [-1] * k, [1] * k, top.values.tolist()
-        level, level_hidden = list(range(k)), h.expand(k, -1)    # nodes to expand and their parents' hidden
-        ancestors: dict[int, list[int]] = {-1: []}                # candidate -> scratch slots of expanded ancestors
+        feats = torch.cat([s.seq.features_between(s.n - 1, s.n) for s in searches])[:, self.cols]
+        h = model.forward_segments(
+            embed(torch.tensor([s.seq.pending for s in searches], device=dev)), model.fc(feats),
+            torch.tensor([s.n - 1 for s in searches], device=dev), self.pool.k, self.pool.v,
+            torch.cat([s.read[s.n - 1:s.n] for s in searches]),
+            [Segment(s.read[:s.n], torch.ones(1, s.n, dtype=torch.bool, device=dev)) for s in searches])
+        top = torch.topk(model.draft_logprobs(h), k)
+        for i, s in enumerate(searches):
+            s.start(model.to_target_ids(top.indices[i]).tolist(), top.values[i].tolist(), h[i:i + 1].expand(k, -1))
         for step in range(1, self.tree.depth):
-            width = len(level)
-            base = n + (step - 1) * k
-            slots = list(range(base, base + width))
-            mask = torch.zeros(width, n + scratch, dtype=torch.bool, device=dev)
-            mask[:, :n] = True
-            for j, node in enumerate(level):
-                ancestors[node] = ancestors[parents[node]] + [slots[j]]
-                mask[j, ancestors[node]] = True
-            out = model(embed(torch.tensor([tokens[i] for i in level], device=dev)), level_hidden,
-                        torch.full((width,), n - 1 + step, device=dev), self.pool.k, self.pool.v,
-                        read[base:base + width], read, mask)
-            child = torch.topk(model.draft_logprobs(out), k, dim=-1)              # [width, k]
-            child_scores = (torch.tensor([scores[i] for i in level], device=dev)[:, None] + child.values)
+            steps = [s.step_inputs(step, k, scratch) for s in searches]   # (tokens, positions, write, segment)
+            out = model.forward_segments(
+                embed(torch.tensor([t for tokens, *_ in steps for t in tokens], device=dev)),
+                torch.cat([s.level_hidden for s in searches]), torch.cat([p for _, p, _, _ in steps]), self.pool.k,
+                self.pool.v, torch.cat([w for _, _, w, _ in steps]), [seg for *_, seg in steps])
+            child = torch.topk(model.draft_logprobs(out), k, dim=-1)   # [rows of every sequence, k]
             child_ids = model.to_target_ids(child.indices)
-            first = len(tokens)
-            for j, node in enumerate(level):
-                tokens += child_ids[j].tolist()
-                parents += [node] * k
-                depths += [step + 1] * k
-                scores += child_scores[j].tolist()
-            best = torch.topk(child_scores.flatten(), k).indices.tolist()
-            level = [first + b for b in best]
-            level_hidden = out[[b // k for b in best]]
-        chosen = select_nodes(scores, depths, self.tree.total_tokens - 1)
+            first = 0
+            for s in searches:
+                rows = slice(first, first + len(s.level))
+                s.grow(step, child.values[rows], child_ids[rows], out[rows], k)
+                first = rows.stop
+        return [Proposal(s.tree(self.tree.total_tokens), frontier=s.n) for s in searches]
+
+
+class _TreeSearch:
+    """One sequence's EAGLE-2 search: candidate nodes (excluding the root) with token, parent (candidate index or
+    -1 = the root), depth and cumulative log-probability; `level` are the nodes the next depth expands."""
+
+    def __init__(self, seq: Sequence, read: torch.Tensor) -> None:
+        self.seq, self.read, self.n = seq, read, seq.num_committed
+        self.ancestors: dict[int, list[int]] = {-1: []}    # candidate -> scratch slots of expanded ancestors
+
+    def start(self, tokens: list[int], scores: list[float], hidden: torch.Tensor) -> None:
+        k = len(tokens)
+        self.tokens, self.parents, self.depths, self.scores = tokens, [-1] * k, [1] * k, scores
+        self.level, self.level_hidden = list(range(k)), hidden   # nodes to expand and their parents' hidden
+
+    def step_inputs(self, step: int, k: int, scratch: int):
+        """Depth `step`'s rows: the level's tokens at position N - 1 + step, written to scratch slots, each seeing the
+        context and its expanded ancestors."""
+        n, width, dev = self.n, len(self.level), self.read.device
+        base = n + (step - 1) * k
+        mask = torch.zeros(width, n + scratch, dtype=torch.bool, device=dev)
+        mask[:, :n] = True
+        for j, node in enumerate(self.level):
+            self.ancestors[node] = self.ancestors[self.parents[node]] + [base + j]
+            mask[j, self.ancestors[node]] = True
+        return ([self.tokens[i] for i in self.level], torch.full((width,), n - 1 + step, device=dev),
+                self.read[base:base + width], Segment(self.read, mask))
+
+    def grow(self, step: int, child_values: torch.Tensor, child_ids: torch.Tensor, out: torch.Tensor,
+             k: int) -> None:
+        """Add the level's top-k children; the next level is the k best of them."""
+        child_scores = torch.tensor([self.scores[i] for i in self.level], device=out.device)[:, None] + child_values
+        first = len(self.tokens)
+        for j, node in enumerate(self.level):
+            self.tokens += child_ids[j].tolist()
+            self.parents += [node] * k
+            self.depths += [step + 1] * k
+            self.scores += child_scores[j].tolist()
+        best = torch.topk(child_scores.flatten(), k).indices.tolist()
+        self.level = [first + b for b in best]
+        self.level_hidden = out[[b // k for b in best]]
+
+    def tree(self, total_tokens: int) -> DraftTree:
+        chosen = select_nodes(self.scores, self.depths, total_tokens - 1)
         index = {c: i + 1 for i, c in enumerate(chosen)}
-        tree = DraftTree([seq.pending] + [tokens[c] for c in chosen],
-                         [-1] + [index.get(parents[c], 0) for c in chosen],
-                         [0] + [depths[c] for c in chosen])
-        return Proposal(tree, frontier=n)
+        return DraftTree([self.seq.pending] + [self.tokens[c] for c in chosen],
+                         [-1] + [index.get(self.parents[c], 0) for c in chosen],
+                         [0] + [self.depths[c] for c in chosen])
 
 
 class DFlashProposer(Proposer):
     name = DFLASH
     model: DFlash
+    tree = DFlashTreeConfig()   # the request's shape: a DDTree or the block's chain (see with_tree)
 
     @property
     def draft_block_len(self) -> int:
         return self.model.config.draft_block_len
 
+    def with_tree(self, tree: DFlashTreeConfig) -> "DFlashProposer":
+        """A copy drafting `tree`; a budget this drafter's block cannot fill is an error."""
+        most = max_prefix_tree_nodes(self.draft_block_len - 1, tree.top_k)
+        if tree.total_tokens is not None and tree.total_tokens > most:
+            raise WhiflashError(f"a DFlash tree of {tree.total_tokens} nodes does not fit this drafter: "
+                                f"{self.draft_block_len - 1} drafts per block with top_k {tree.top_k} hold "
+                                f"at most {most} nodes, root included")
+        shaped = copy.copy(self)
+        shaped.tree = tree
+        return shaped
+
+    def for_spec(self, spec: SpecConfig) -> "DFlashProposer":
+        return self.with_tree(spec.dflash_tree)
+
     def scratch_slots(self) -> int:
         return 0   # the block's own K/V never enter the pool
 
     def max_tree_tokens(self) -> int:
-        return self.draft_block_len
+        return self.tree.total_tokens or self.draft_block_len
 
     def backlog(self, seq: Sequence) -> int:
         return max(0, seq.num_committed - seq.frontiers.get(self.name, 0))
@@ -157,13 +221,43 @@ class DFlashProposer(Proposer):
                   else embed(torch.tensor([self.model.config.mask_token_id], device=dev)))
         return torch.cat([root_e, mask_e.expand(self.draft_block_len - 1, -1)])
 
-    @torch.inference_mode()
-    def propose(self, seq: Sequence) -> Proposal:
+    def group_key(self) -> tuple:
+        return (self.name, self.tree)
+
+    def block_hidden(self, seq: Sequence) -> torch.Tensor:
+        """[B, H] the block's final-norm hidden states; slots 1..B-1 hold the drafts of positions N+1..N+B-1."""
         n, dev = seq.num_committed, self.pool.k.device
-        hidden = self.model(self.block_embeddings(seq.pending), torch.arange(n, n + self.draft_block_len, device=dev),
-                            self.pool.k, self.pool.v, seq.slots(0, n).to(dev))
-        drafts = self.target.logits(hidden[1:]).argmax(-1).tolist()
-        return Proposal(DraftTree.chain(seq.pending, drafts), frontier=n)
+        return self.model(self.block_embeddings(seq.pending), torch.arange(n, n + self.draft_block_len, device=dev),
+                          self.pool.k, self.pool.v, seq.slots(0, n).to(dev))
+
+    @torch.inference_mode()
+    def block_logits(self, seq: Sequence) -> torch.Tensor:
+        """[B-1, vocab] the target lm_head's logits at block slots 1..B-1."""
+        return self.target.logits(self.block_hidden(seq)[1:])
+
+    def propose(self, seq: Sequence) -> Proposal:
+        return self.propose_many([seq])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
+        """A block forward per sequence, then ONE target lm_head over every block's drafts (its weights, the largest
+        matrix of the round, read once); each block gives the chain of its argmax drafts, or the DDTree of
+        `tree.total_tokens` nodes."""
+        hidden = torch.cat([self.block_hidden(seq)[1:] for seq in seqs])
+        proposals = []
+        for seq, logits in zip(seqs, self.target.logits(hidden).split(self.draft_block_len - 1)):
+            if self.tree.total_tokens is None:
+                tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist())
+            else:
+                tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1),
+                                           self.tree.total_tokens, self.tree.top_k)
+            proposals.append(Proposal(tree, frontier=seq.num_committed))
+        return proposals
+
+
+def max_prefix_tree_nodes(depth: int, top_k: int | None) -> int | float:
+    """Nodes (root included) of the full tree of `depth` levels with `top_k` children each (None: unbounded)."""
+    return float("inf") if top_k is None else 1 + sum(top_k ** d for d in range(1, depth + 1))
 
 
 PROPOSERS = {EAGLE3: Eagle3Proposer, DFLASH: DFlashProposer}   # the drafter registry: name -> proposer type

@@ -100,14 +100,14 @@ class Engine:
         return resolve_spec(spec or SpecConfig(), set(self.proposers), self.router_file is not None)
 
     def proposers_for(self, spec: SpecConfig) -> dict[str, Proposer]:
-        """The drafters `spec.mode` runs, EAGLE-3's shaped by `spec.tree`."""
+        """The drafters `spec.mode` runs, each shaped by its tree settings (`spec.tree`, `spec.dflash_tree`)."""
         needed = MODE_DRAFTERS[spec.mode]
         missing = [n for n in needed if n not in self.proposers]
         if missing:
             flag = {EAGLE3: "--ar-drafter", DFLASH: "--dllm-drafter"}
             raise WhiflashError(f"mode {spec.mode!r} needs the {' and '.join(missing)} drafter, which this engine "
                                 f"does not have; rebuild it with " + " ".join(f"{flag[m]} PATH" for m in missing))
-        return {n: self.proposers[n].with_tree(spec.tree) if n == EAGLE3 else self.proposers[n] for n in needed}
+        return {n: self.proposers[n].for_spec(spec) for n in needed}
 
     def router_for(self, spec: SpecConfig) -> Router | None:
         if spec.mode != WHIFLASH:
@@ -189,10 +189,32 @@ class Engine:
         req.signal = route_signal(out.logits[-1], out.hidden[-1])
         req.extend([bonus])
 
-    def draft(self, req: Request) -> "Draft":
-        """route -> catch up -> propose: the tree this round verifies (the pending bonus alone when no drafter)."""
+    def draft(self, reqs: list[Request]) -> list["Draft"]:
+        """route -> catch up -> propose, for each request: the trees this round verifies (the pending bonus alone
+        for a request without a drafter). Requests whose drafter and tree shape agree propose together (one
+        drafter forward per EAGLE-3 depth for all of them)."""
+        drafts = [self._route_and_catch_up(req) for req in reqs]
+        groups: dict[tuple, list[int]] = {}
+        for i, (req, draft) in enumerate(zip(reqs, drafts)):
+            proposer = req.proposers.get(draft.drafter)
+            if proposer is None:
+                req.seq.reserve(req.seq.num_committed + 1)
+            else:
+                req.seq.reserve(req.seq.num_committed + _slots_per_round(proposer))
+                groups.setdefault(proposer.group_key(), []).append(i)
+        for members in groups.values():
+            start = time.perf_counter()
+            proposer = reqs[members[0]].proposers[drafts[members[0]].drafter]
+            for i, proposal in zip(members, proposer.propose_many([reqs[i].seq for i in members])):
+                drafts[i].tree = proposal.tree
+                drafts[i].frontiers[proposer.name] = proposal.frontier
+            for i in members:
+                drafts[i].times["draft"] = time.perf_counter() - start
+        return drafts
+
+    def _route_and_catch_up(self, req: Request) -> "Draft":
         seq, proposers, stats = req.seq, req.proposers, req.stats
-        times, t0 = {}, time.perf_counter()
+        times, t0 = {"draft": 0.0}, time.perf_counter()
         # route (a name without a proposer, the router's NO_DRAFT included, is a target-only round)
         name = req.router.choose(req.signal) if req.router is not None else next(iter(proposers), None)
         n, max_pos = seq.num_committed, self.target.config.max_position_embeddings
@@ -206,18 +228,8 @@ class Engine:
         for p in (proposers.values() if req.spec.catch_up == "eager" else [proposer] if proposer else []):
             stats.catch_up_tokens += p.backlog(seq)
             frontiers[p.name] = p.catch_up(seq)
-        t2 = time.perf_counter()
-        times["catch_up"] = t2 - t1
-        # propose
-        if proposer is None:
-            tree = DraftTree([seq.pending], [-1], [0])
-            seq.reserve(n + 1)
-        else:
-            seq.reserve(n + _slots_per_round(proposer))
-            proposal = proposer.propose(seq)
-            tree, frontiers[proposer.name] = proposal.tree, proposal.frontier
-        times["draft"] = time.perf_counter() - t2
-        return Draft(proposer.name if proposer else "none", tree, frontiers, times)
+        times["catch_up"] = time.perf_counter() - t1
+        return Draft(proposer.name if proposer else "none", DraftTree([seq.pending], [-1], [0]), frontiers, times)
 
     def verify_feed(self, req: Request, draft: "Draft") -> Feed:
         chain = draft.tree.is_chain
@@ -248,7 +260,7 @@ class Engine:
 class Draft:
     """What a round's draft phase hands to verify and commit."""
     drafter: str                     # the proposer's name, "none" for a target-only round
-    tree: DraftTree
+    tree: DraftTree                  # the pending bonus alone until the drafter proposes
     frontiers: dict[str, int]        # drafter frontiers the round reached (catch-up and propose)
     times: dict[str, float]          # seconds of route, catch_up, draft
 

@@ -36,7 +36,7 @@ class Request:
     seq: Sequence
     gen: GenerationConfig
     spec: SpecConfig                  # resolved: no "auto" left
-    proposers: dict[str, Proposer]    # the mode's drafters, EAGLE-3 shaped by spec.tree
+    proposers: dict[str, Proposer]    # the mode's drafters, shaped by spec's tree settings
     router: Router | None             # whiflash mode only
     generator: torch.Generator
     stopper: StopChecker

@@ -58,7 +58,7 @@ def measure_states(engine: Engine, data: TrainingData, spec: SpecConfig, max_sta
     """Acceptance length of both drafters at the response positions of every router sequence: all of them, or,
     under `max_states`, one contiguous window per sequence (at a seeded random offset) so the states spread over
     every sequence and `simulate` can still walk each window position by position."""
-    e3, df = engine.proposers[EAGLE3].with_tree(spec.tree), engine.proposers[DFLASH]
+    e3, df = engine.proposers[EAGLE3].for_spec(spec), engine.proposers[DFLASH].for_spec(spec)
     horizon = max(df.draft_block_len - 1, spec.tree.depth)
     records: list[StateRecord] = []
     spans = {k: (s.prompt_len, len(s.tokens) - 1 - horizon) for k, s in ((k, data[k]) for k in range(len(data)))}

@@ -92,6 +92,17 @@ class GraphEagle3(Eagle3):
         _scatter(k_cache, v_cache, write_slots, k_new, v_new)
         return out
 
+    def forward_segments(self, embeds, hidden, positions, k_cache, v_cache, write_slots,
+                         segments: list[Segment]) -> torch.Tensor:
+        """The exported step takes one sequence: one call per segment."""
+        outs, first = [], 0
+        for seg in segments:
+            rows = slice(first, first + seg.mask.shape[0])
+            outs.append(self(embeds[rows], hidden[rows], positions[rows], k_cache, v_cache, write_slots[rows],
+                             seg.read_slots, seg.mask))
+            first = rows.stop
+        return torch.cat(outs)
+
     def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:
         return self.head(out_hidden)[0]
 

@@ -1,0 +1,61 @@
+"""DDTree (Ringel & Romano, arXiv 2604.12989): the draft tree of the most probable prefixes under per-position marginals.
+
+One block-diffusion forward gives a distribution q_d per depth d = 1..L, the same for every path (not
+path-conditional). Under the product model a prefix u_1..u_d has probability prod_i q_i(u_i), and the expected
+number of accepted drafts of a prefix-closed tree is the sum of its nodes' probabilities; the `budget` most probable
+prefixes are the best tree of that many nodes, and they are prefix-closed because a prefix is never more probable
+than its parent. Best-first search finds them: popping a prefix pushes its next sibling (same parent, the next rank
+at its depth) and its first child (the best token one depth deeper); each prefix is pushed by one that is at least
+as probable, so prefixes come off the heap in order.
+"""
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from whiflash_trt.spec.tree import DraftTree
+
+
+def best_prefix_tree(root: int, logprobs: torch.Tensor, total_tokens: int, top_k: int | None = None
+                     ) -> tuple[DraftTree, float]:
+    """The tree of the `total_tokens - 1` most probable prefixes (plus the root) and their summed probability
+    (the expected accepted drafts under the product model).
+
+    logprobs: [L, V] log q_d of depth d + 1 (rows need not be normalised for the ranking, but the returned sum is
+    only an expectation if they are). top_k: children per node at most (1 = a chain; None = no limit).
+    """
+    if total_tokens < 1:
+        raise ValueError(f"a draft tree needs total_tokens >= 1 (the root), got {total_tokens}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (or None for no limit), got {top_k}")
+    num_drafts, depth = total_tokens - 1, logprobs.shape[0]
+    width = min(num_drafts, logprobs.shape[1], top_k or num_drafts)
+    if num_drafts == 0 or depth == 0:
+        return DraftTree([root], [-1], [0]), 0.0
+    top = torch.topk(logprobs.float(), width, dim=-1)                 # ranks per depth, best first
+    score, ids = top.values.tolist(), top.indices.tolist()             # [L][width]
+    # heap entries: (-log prob of the prefix, tiebreak, parent node, depth 1..L, rank at that depth)
+    heap = [(-score[0][0], 0, 0, 1, 0)]
+    nodes: list[tuple[float, int, int, int]] = []                      # (log prob, parent node, depth, token)
+    pushed = 1
+    while heap and len(nodes) < num_drafts:
+        neg, _, parent, d, rank = heapq.heappop(heap)
+        nodes.append((-neg, parent, d, ids[d - 1][rank]))
+        node = len(nodes)                                              # its index in pop order (root = 0)
+        if rank + 1 < width:
+            heapq.heappush(heap, (neg + score[d - 1][rank] - score[d - 1][rank + 1], pushed, parent, d, rank + 1))
+            pushed += 1
+        if d < depth:
+            heapq.heappush(heap, (neg - score[d][0], pushed, node, d + 1, 0))
+            pushed += 1
+    return _depth_ordered(root, nodes), sum(torch.tensor([lp for lp, *_ in nodes]).exp().tolist())
+
+
+def _depth_ordered(root: int, nodes: list[tuple[float, int, int, int]]) -> DraftTree:
+    """Pop-ordered nodes (parents before children) as a DraftTree in (depth, most probable first) order."""
+    order = sorted(range(len(nodes)), key=lambda i: (nodes[i][2], -nodes[i][0], i))
+    index = {i + 1: j + 1 for j, i in enumerate(order)}                # pop index -> tree index
+    index[0] = 0
+    return DraftTree([root] + [nodes[i][3] for i in order], [-1] + [index[nodes[i][1]] for i in order],
+                     [0] + [nodes[i][2] for i in order])
