@@ -242,7 +242,7 @@ def evaluate(measured: list[dict], holdout: set[int], args, costs: dict[str, flo
     table["all scalars + hidden"] = {"linear": run(fit_ridge, both, lam=100.0),
                                      "mlp": run(fit_mlp, both, groups=groups)}
     table["category (offline label)"] = {"linear": run(fit_ridge, category)}
-    if engine.router_file is not None:
+    if engine.router_file is not None and engine.router_file.version == 1:   # the v1 router reads `hidden`
         with torch.no_grad():
             pred = engine.router_file.mlp.float()(hidden)
         shipped = scores(pred[tr], pred[te], y[tr], y[te], q[tr], q[te])

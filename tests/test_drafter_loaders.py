@@ -134,3 +134,35 @@ def test_router_round_trip_and_mismatch(tmp_path):
         load_router(tmp_path / "r.safetensors", 32)
     with pytest.raises(CheckpointError, match="do not exist"):
         load_router(tmp_path / "missing.safetensors", 64)
+
+
+def test_throughput_router_file_round_trip_and_clear_errors(tmp_path):
+    import json
+    import math
+
+    from safetensors.torch import save_file
+
+    from whiflash_trt.spec.router import FEATURES, AcceptancePredictor
+    from whiflash_trt.spec.router_file import save_throughput_router
+
+    p = AcceptancePredictor(8)
+    costs = {"none": 0.07, "eagle3": 0.18, "dflash": 0.13}
+    save_throughput_router(p, tmp_path / "r2.safetensors", 1.1, {"eagle3": 1.5, "dflash": 0.7}, costs, 0.5, 0.05,
+                           entropy_threshold=0.5, entropy_none_threshold=2.0)
+    loaded = load_router(tmp_path / "r2.safetensors", 64)     # v2 does not read the hidden state: any size
+    assert (loaded.version, loaded.threshold, loaded.relax, loaded.round_seconds) == (2, 1.1, 0.05, costs)
+    assert (loaded.entropy_threshold, loaded.entropy_none_threshold) == (0.5, 2.0)
+    x = torch.randn(3, len(FEATURES))
+    assert torch.allclose(loaded.predictor(x), p(x))
+    v1 = tmp_path / "r1.safetensors"
+    save_router(RouterMLP(64, 8), v1, threshold=0.5)
+    assert load_router(v1, 64).version == 1 and load_router(v1, 64).entropy_none_threshold == math.inf
+    state = {k: v.contiguous() for k, v in p.state_dict().items()}
+    save_file(state, str(tmp_path / "future.safetensors"), metadata={"format": "whiflash-router-v9"})
+    with pytest.raises(CheckpointError, match="format 'whiflash-router-v9'"):
+        load_router(tmp_path / "future.safetensors", 64)
+    meta = {"format": "whiflash-router-v2", "features": "entropy,hidden", "threshold": "1", "alpha": "0.5",
+            "relax": "0", "priors": json.dumps({}), "round_seconds": json.dumps(costs)}
+    save_file(state, str(tmp_path / "other.safetensors"), metadata=meta)
+    with pytest.raises(CheckpointError, match="trained on features"):
+        load_router(tmp_path / "other.safetensors", 64)

@@ -128,3 +128,70 @@ def test_high_acceptance_with_stops_and_limit_inside_accepted_blocks(spec_engine
         spec_engine.proposers.clear()
         spec_engine.proposers.update(saved)
     assert sum(taus) / len(taus) > 2.0, "the oracle must be accepted for several tokens per round"
+
+
+class CyclingRouter:
+    """A router test double that routes none, EAGLE-3, DFlash, none, none, DFlash, ... in a fixed cycle."""
+    threshold = 0.0
+    CYCLE = ["none", "eagle3", "dflash", "none", "none", "dflash", "eagle3", "eagle3"]
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def choose(self, signal) -> str:
+        self.calls += 1
+        return self.CYCLE[(self.calls - 1) % len(self.CYCLE)]
+
+
+@pytest.mark.parametrize("catch_up", ["lazy", "eager"])
+def test_router_choosing_no_draft_runs_target_only_rounds_losslessly(spec_engine, catch_up):
+    from whiflash_trt.runtime.batch import Batch
+
+    vocab = spec_engine.target.config.vocab_size
+    for i, prompt in enumerate(_prompts(4, seed=21, vocab=vocab)):
+        gen = GenerationConfig(max_new_tokens=20 + 7 * i)
+        ref = spec_engine.generate(prompt, gen)
+        batch = Batch(spec_engine)
+        req = spec_engine.request(prompt, gen, SpecConfig(mode="whiflash", router="entropy", catch_up=catch_up))
+        req.router = CyclingRouter()
+        batch.submit(req)
+        batch.run()
+        out = req.result()
+        assert out.token_ids == ref.token_ids, f"prompt {i}"
+        if out.stats["rounds"] >= 3:
+            assert {"none", "eagle3", "dflash"} <= set(out.stats["rounds_per_drafter"]), out.stats
+    assert spec_engine.kv.allocator.num_free == spec_engine.kv.allocator.num_blocks
+
+
+def test_throughput_router_file_routes_all_three_choices_losslessly(tmp_path, tiny_checkpoint):
+    """A v2 router file through the whole path (build, load with its cost calibration, --router neural): a
+    predictor wired to the previous round's choice cycles none -> EAGLE-3 -> DFlash -> none."""
+    import torch
+
+    from tiny_drafters import build_tiny_engine, save_drafters
+    from whiflash_trt.runtime.engine import Engine
+    from whiflash_trt.spec.router import FEATURES, AcceptancePredictor
+    from whiflash_trt.spec.router_file import save_throughput_router
+
+    p = AcceptancePredictor(len(FEATURES))
+    with torch.no_grad():
+        p.fc1.weight.copy_(torch.eye(len(FEATURES)))
+        p.fc1.bias.zero_()
+        p.fc2.weight.zero_()
+        p.fc2.bias.zero_()
+        p.fc2.weight[0, FEATURES.index("prev_none")] = 10.0      # after a target-only round: EAGLE-3
+        p.fc2.weight[1, FEATURES.index("prev_eagle3")] = 10.0    # after EAGLE-3: DFlash
+    costs = {"none": 1.0, "eagle3": 2.0, "dflash": 2.0}
+    save_throughput_router(p, tmp_path / "router.safetensors", 1.0, {"eagle3": 0.0, "dflash": 0.0}, costs, 0.5, 0.0)
+    target = tiny_checkpoint("spec")
+    engine = Engine.load(build_tiny_engine(target, tmp_path / "engine", router=tmp_path / "router.safetensors",
+                                           **save_drafters(tmp_path, target, router=False)))
+    assert set(engine.round_seconds) == {"none", "eagle3", "dflash"} and min(engine.round_seconds.values()) > 0
+    engine.round_seconds = costs        # the calibrated tiny-model costs are noise; fix the ratios for the cycle
+    vocab = engine.target.config.vocab_size
+    for i, prompt in enumerate(_prompts(3, seed=5, vocab=vocab)):
+        gen = GenerationConfig(max_new_tokens=25 + 5 * i, ignore_eos=True)
+        ref = engine.generate(prompt, gen, spec=SpecConfig(mode="ar"))
+        out = engine.generate(prompt, gen, spec=SpecConfig(mode="whiflash", router="neural"))
+        assert out.token_ids == ref.token_ids, f"prompt {i}"
+        assert [d for d, _ in out.stats["trace"][:3]] == ["none", "eagle3", "dflash"], out.stats["trace"]

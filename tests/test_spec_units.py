@@ -122,3 +122,54 @@ def test_no_blocks_leak_across_hundreds_of_mixed_requests(spec_engine):
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 12))]
         spec_engine.generate(prompt, GenerationConfig(max_new_tokens=rng.randrange(1, 8)), spec=specs[i % len(specs)])
         assert spec_engine.kv.allocator.num_free == spec_engine.kv.allocator.num_blocks
+
+
+def _throughput_router(expected: dict[str, float], threshold: float = 1.0):
+    """A ThroughputRouter whose predictor outputs `expected` (accepted drafts of EAGLE-3, DFlash) whatever the input."""
+    from whiflash_trt.spec.router import AcceptancePredictor, ThroughputRouter
+
+    p = AcceptancePredictor(4)
+    with torch.no_grad():
+        p.fc2.weight.zero_()
+        p.fc2.bias.copy_(torch.tensor([expected["eagle3"], expected["dflash"]]))
+    costs = {"none": 1.0, "eagle3": 2.4, "dflash": 1.7}
+    return ThroughputRouter(p, costs, threshold, {"eagle3": 1.0, "dflash": 0.5})
+
+
+def test_throughput_router_drafts_only_when_it_beats_target_only_rounds():
+    h = torch.zeros(4)
+    # rates: none 1/1; eagle3 (a+1)/2.4; dflash (a+1)/1.7
+    assert _throughput_router({"eagle3": 1.0, "dflash": 0.5}).choose(RouteSignal(1.0, h)) == "none"
+    assert _throughput_router({"eagle3": 2.0, "dflash": 0.5}).choose(RouteSignal(1.0, h)) == "eagle3"   # 1.25
+    assert _throughput_router({"eagle3": 2.0, "dflash": 1.4}).choose(RouteSignal(1.0, h)) == "dflash"   # 1.41
+    # the threshold is the factor a drafter must win by: 1.25 does not clear 1.3
+    assert _throughput_router({"eagle3": 2.0, "dflash": 0.5}, threshold=1.3).choose(RouteSignal(1.0, h)) == "none"
+    # a negative prediction counts as zero accepted drafts, never as fewer than the round's one token
+    assert _throughput_router({"eagle3": -5.0, "dflash": -5.0}, threshold=0.0).choose(RouteSignal(1.0, h)) != "none"
+
+
+def test_router_history_ema_updates_for_the_drafter_that_drafted_and_relaxes_the_other():
+    from whiflash_trt.spec.router import FEATURES, RouterHistory
+
+    hist = RouterHistory({"eagle3": 2.0, "dflash": 1.0}, alpha=0.5, relax=0.5)
+    hist.update("eagle3", 4)
+    assert hist.ema == {"eagle3": 3.0, "dflash": 1.0}
+    hist.update("none", 0)                  # neither drafted: both relax toward their priors
+    assert hist.ema == {"eagle3": 2.5, "dflash": 1.0}
+    f = dict(zip(FEATURES, hist.features(0.7, 0.2)))   # the first round: its entropy is the EMA
+    assert f == {"entropy": 0.7, "margin": 0.2, "ema_entropy": 0.7, "ema_eagle3": 2.5, "ema_dflash": 1.0,
+                 "prev_none": 1.0, "prev_eagle3": 0.0, "prev_dflash": 0.0, "prev_accepted": 0.0}
+
+
+def test_entropy_router_skips_drafting_above_its_none_threshold():
+    h = torch.zeros(4)
+    r = EntropyRouter(threshold=1.0, alpha=1.0, none_threshold=3.0)
+    assert [r.choose(RouteSignal(e, h)) for e in (0.5, 2.0, 3.0, 5.0)] == ["dflash", "eagle3", "none", "none"]
+
+
+def test_route_signal_margin_is_top1_minus_top2():
+    from whiflash_trt.spec.router import route_signal
+
+    s = route_signal(torch.log(torch.tensor([0.6, 0.3, 0.1])), torch.zeros(2), "eagle3", 2)
+    assert abs(s.margin - 0.3) < 1e-5 and abs(s.entropy - entropy_of(torch.log(torch.tensor([0.6, 0.3, 0.1])))) < 1e-6
+    assert (s.drafter, s.accepted) == ("eagle3", 2)

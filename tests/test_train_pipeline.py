@@ -163,9 +163,11 @@ def test_router_command_writes_a_router_the_engine_uses(workspace):
                        "--dflash", str(workspace / "df" / "export"), "--output", str(out), "--width", "16",
                        "--cost-prompts", "1"]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
-    assert report["num_states"] > 0 and report["selection"]["neural"]["tokens_per_s"] > 0
+    assert report["num_states"] > 0 and report["selection"]["throughput"]["tokens_per_s"] > 0
     router = load_router(out, 64)
-    assert router.threshold == report["selection"]["neural"]["threshold"]
+    assert router.version == 2 and router.threshold == report["selection"]["throughput"]["threshold"]
+    assert router.entropy_none_threshold == report["selection"]["entropy"]["none_threshold"]
+    assert out.stat().st_size < 8192   # a few hundred parameters
     engine = Engine.load(build_tiny_engine(workspace / "target", workspace / "engine-router",
                                            ar_drafter=workspace / "e3" / "export",
                                            dllm_drafter=workspace / "df" / "export", router=out), dtype="fp32")

@@ -46,7 +46,9 @@ def parser() -> argparse.ArgumentParser:
                    help="also the oracle's headroom: the best per-round routing, from both drafters run at every "
                         "position of the ar output and the measured round costs (needs ar, eagle3, dflash)")
     p.add_argument("--entropy-thresholds", type=_floats, help="sweep points for whiflash-entropy (nats)")
-    p.add_argument("--neural-thresholds", type=_floats, help="sweep points for whiflash-neural (predicted dAL); "
+    p.add_argument("--neural-thresholds", type=_floats, help="sweep points for whiflash-neural (v1 router: "
+                                                             "predicted dAL; v2: the factor by which a drafter's rate "
+                                                             "must beat a target-only round's); "
                                                              "with a negative first value write =, e.g. "
                                                              "--neural-thresholds=-0.5,0.5")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="engine dtype")

@@ -6,6 +6,7 @@ decoding (`ar`) is the round with an empty draft. Only commit changes the Sequen
 """
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,8 +27,9 @@ from whiflash_trt.runtime.request import GenerationResult, Request
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.runtime.stopping import StopChecker
 from whiflash_trt.runtime.target_runner import Feed, TargetRunner
-from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, EntropyRouter, NeuralRouter, RouteSignal, Router,
-                                      entropy_of)
+from whiflash_trt.runtime.round_costs import measure_round_seconds
+from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, EntropyRouter, NeuralRouter, Router,
+                                      ThroughputRouter, route_signal)
 from whiflash_trt.spec.sampling import next_token, target_probs
 from whiflash_trt.spec.tree import DraftTree
 from whiflash_trt.spec.verify import verify_greedy, verify_sampling
@@ -47,6 +49,10 @@ class Engine:
         self.runner = TargetRunner(self.target, self.kv.pools["target"], union)
         self.proposers: dict[str, Proposer] = {
             name: PROPOSERS[name](m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
+        # The throughput router (a v2 router file) weighs each choice by its seconds per round on this machine.
+        self.round_seconds: dict[str, float] = {}
+        if self.router_file is not None and self.router_file.version == 2 and len(self.proposers) == 2:
+            self.round_seconds = measure_round_seconds(self)
 
     @classmethod
     def load(cls, engine_dir: str | Path, device: str = "cpu", dtype: str | None = None,
@@ -111,11 +117,18 @@ class Engine:
                 raise WhiflashError("--router neural needs router weights, and this engine has none; rebuild it "
                                     "with --router PATH (train them with whiflash-train router), or use --router "
                                     "entropy")
-            threshold = self.router_file.threshold if spec.threshold is None else spec.threshold
-            return NeuralRouter(self.router_file.mlp.to(self.device), threshold)
-        default = (self.router_file.entropy_threshold if self.router_file is not None
-                   and self.router_file.entropy_threshold is not None else DEFAULT_ENTROPY_THRESHOLD)
-        return EntropyRouter(default if spec.threshold is None else spec.threshold)
+            f = self.router_file
+            threshold = f.threshold if spec.threshold is None else spec.threshold
+            if f.version == 1:
+                return NeuralRouter(f.mlp.to(self.device), threshold)
+            return ThroughputRouter(f.predictor, self.round_seconds or f.round_seconds, threshold, f.priors,
+                                    f.alpha, f.relax)
+        f = self.router_file
+        default = f.entropy_threshold if f is not None and f.entropy_threshold is not None else \
+            DEFAULT_ENTROPY_THRESHOLD
+        if spec.threshold is not None:   # an explicit threshold: the two-way rule it names
+            return EntropyRouter(spec.threshold)
+        return EntropyRouter(default, none_threshold=f.entropy_none_threshold if f is not None else math.inf)
 
     # ----- generation --------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], gen: GenerationConfig,
@@ -173,7 +186,7 @@ class Engine:
         seq = req.seq
         bonus = next_token(out.logits[-1], req.gen.sampling, req.generator)
         seq.commit(seq.prompt_ids, bonus, out.captured if req.proposers else None, {name: 0 for name in req.proposers})
-        req.signal = RouteSignal(entropy_of(out.logits[-1]), out.hidden[-1])
+        req.signal = route_signal(out.logits[-1], out.hidden[-1])
         req.extend([bonus])
 
     def draft(self, reqs: list[Request]) -> list["Draft"]:
@@ -202,6 +215,7 @@ class Engine:
     def _route_and_catch_up(self, req: Request) -> "Draft":
         seq, proposers, stats = req.seq, req.proposers, req.stats
         times, t0 = {"draft": 0.0}, time.perf_counter()
+        # route (a name without a proposer, the router's NO_DRAFT included, is a target-only round)
         name = req.router.choose(req.signal) if req.router is not None else next(iter(proposers), None)
         n, max_pos = seq.num_committed, self.target.config.max_position_embeddings
         proposer = proposers.get(name)
@@ -236,7 +250,7 @@ class Engine:
         features = out.captured.index_select(0, path) if req.proposers and out.captured is not None else None
         seq.commit(verdict.tokens, verdict.bonus, features, draft.frontiers)
         last = verdict.path[-1]
-        req.signal = RouteSignal(entropy_of(out.logits[last]), out.hidden[last])
+        req.signal = route_signal(out.logits[last], out.hidden[last], draft.drafter, verdict.num_accepted)
         times = draft.times | {"verify": verify_seconds + t1 - t0, "commit": time.perf_counter() - t1}
         req.stats.record(draft.drafter, verdict.num_accepted, times)
         req.extend(verdict.tokens[1:] + [verdict.bonus])

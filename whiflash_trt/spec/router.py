@@ -7,12 +7,27 @@ high entropy means open-ended text, where EAGLE-3's tree hedges over several con
 token to token, so it is smoothed over rounds with an exponential moving average (alpha 0.5: the current round
 counts half) before it is compared: choose DFlash when the smoothed entropy (nats) is below the threshold.
 
-Neural router (WhiFlash-Neural): MLP hidden -> GELU -> 1 on the target's final-layer hidden state (after the final
-norm) at the last accepted position; it predicts dAL = AL(DFlash) - AL(EAGLE-3); choose DFlash when it exceeds the
-threshold. The threshold trades expected token gain against round latency and is tuned per machine.
+A third choice, NO_DRAFT (a target-only round), is open to both rules below: when no drafter is expected to pay for
+its round, drafting makes decoding slower than `ar`.
+
+Entropy rule, three-way: choose NO_DRAFT when the smoothed entropy is at or above `none_threshold` (inf by default:
+never). whiflash-train router calibrates both thresholds on held-out states.
+
+Neural router v1 (WhiFlash-Neural, router file v1): MLP hidden -> GELU -> 1 on the target's final-layer hidden state
+(after the final norm) at the last accepted position; it predicts dAL = AL(DFlash) - AL(EAGLE-3); choose DFlash when
+it exceeds the threshold. Kept so that v1 files still route as they did.
+
+Throughput router (router file v2, issue 14): the objective is expected tokens per second. For each option d a small
+MLP over cheap per-round features (RouterHistory.features: the target's entropy and top-1/top-2 margin at the bonus
+position, each drafter's EMA of its own accepted drafts, the previous round's choice and accepted drafts) predicts
+E[accepted drafts of d]; the round commits that plus one token and costs c_d seconds (round_seconds, measured on the
+machine that runs the engine), so its rate is (E[a_d] + 1) / c_d, against 1 / c_none for a target-only round. The
+best drafter drafts when its rate exceeds `threshold` times the target-only rate (threshold 1: the pure objective;
+above 1 a drafter must win by a margin), else the round is target-only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,18 +37,33 @@ from torch import nn
 from whiflash_trt.config import DFLASH, EAGLE3
 
 DEFAULT_ENTROPY_THRESHOLD = 1.0
+NO_DRAFT = "none"                       # a target-only round (the engine runs one for any name it has no drafter of)
+DRAFTERS = (EAGLE3, DFLASH)             # the throughput router's output order
 
 
 @dataclass(frozen=True)
 class RouteSignal:
-    """What the last verify left behind at the bonus position."""
+    """What the last round left behind at the bonus position."""
     entropy: float           # nats, of softmax(logits) at temperature 1
     hidden: torch.Tensor     # [H] target final-norm hidden state of the last accepted position
+    margin: float = 0.0      # top-1 minus top-2 probability of the same distribution
+    drafter: str | None = None   # who drafted the round that left it: EAGLE3, DFLASH, NO_DRAFT; None after prefill
+    accepted: int = 0        # that round's accepted drafts
 
 
 def entropy_of(logits: torch.Tensor) -> float:
     logp = torch.log_softmax(logits.float(), dim=-1)
     return float(-(logp.exp() * logp).sum())
+
+
+def route_signal(logits: torch.Tensor, hidden: torch.Tensor, drafter: str | None = None,
+                 accepted: int = 0) -> RouteSignal:
+    """The signal of a bonus position from its logits [vocab] (one softmax for entropy and margin)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    top2 = p.topk(min(2, p.numel())).values
+    margin = float(top2[0] - top2[1]) if top2.numel() > 1 else 1.0
+    return RouteSignal(float(-(p * logp).sum()), hidden, margin, drafter, accepted)
 
 
 class Router(Protocol):
@@ -44,10 +74,11 @@ class Router(Protocol):
 
 
 class EntropyRouter(Router):
-    def __init__(self, threshold: float = DEFAULT_ENTROPY_THRESHOLD, alpha: float = 0.5) -> None:
+    def __init__(self, threshold: float = DEFAULT_ENTROPY_THRESHOLD, alpha: float = 0.5,
+                 none_threshold: float = math.inf) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"entropy smoothing alpha must be in (0, 1], got {alpha}")
-        self.threshold, self.alpha = threshold, alpha
+        self.threshold, self.alpha, self.none_threshold = threshold, alpha, none_threshold
         self.smoothed: float | None = None
 
     def reset(self) -> None:
@@ -56,6 +87,8 @@ class EntropyRouter(Router):
     def choose(self, signal: RouteSignal) -> str:
         e = signal.entropy
         self.smoothed = e if self.smoothed is None else self.alpha * e + (1 - self.alpha) * self.smoothed
+        if self.smoothed >= self.none_threshold:
+            return NO_DRAFT
         return DFLASH if self.smoothed < self.threshold else EAGLE3
 
 
@@ -81,3 +114,85 @@ class NeuralRouter(Router):
 
     def choose(self, signal: RouteSignal) -> str:
         return DFLASH if self.predict(signal.hidden) > self.threshold else EAGLE3
+
+
+# ----- throughput router (v2) -----------------------------------------------------------------------------------
+FEATURES = ("entropy", "margin", "ema_entropy", "ema_eagle3", "ema_dflash", "prev_none", "prev_eagle3", "prev_dflash",
+            "prev_accepted")
+
+
+class RouterHistory:
+    """The free per-request state behind the throughput router's features. Each drafter's EMA (weight `alpha` on
+    the newest round) of its own accepted drafts starts at its prior (the training mean) and is updated when that
+    drafter drafts; every round it does not draft it relaxes toward the prior by `relax`, so a drafter that stopped
+    paying is retried once its bad streak is old. The target's entropy at the bonus position is smoothed with the
+    same `alpha` over every round (a slow, category-like signal next to the round's own). The trainer's walks use
+    this same class."""
+
+    def __init__(self, priors: dict[str, float], alpha: float = 0.5, relax: float = 0.0) -> None:
+        if not 0 < alpha <= 1 or not 0 <= relax <= 1:
+            raise ValueError(f"history needs alpha in (0, 1] and relax in [0, 1], got {alpha}, {relax}")
+        self.priors, self.alpha, self.relax = dict(priors), alpha, relax
+        self.ema = dict(priors)
+        self.prev: str | None = None
+        self.prev_accepted = 0
+        self.ema_entropy: float | None = None
+
+    def update(self, drafter: str | None, accepted: int) -> None:
+        """Record the round that just ended (None: prefill, nothing drafted)."""
+        for d in DRAFTERS:
+            if d == drafter:
+                self.ema[d] = self.alpha * accepted + (1 - self.alpha) * self.ema[d]
+            else:
+                self.ema[d] += self.relax * (self.priors[d] - self.ema[d])
+        self.prev, self.prev_accepted = drafter, accepted
+
+    def features(self, entropy: float, margin: float) -> list[float]:
+        """In FEATURES order; call once per round (it advances the entropy EMA)."""
+        self.ema_entropy = entropy if self.ema_entropy is None else \
+            self.alpha * entropy + (1 - self.alpha) * self.ema_entropy
+        return [entropy, margin, self.ema_entropy, self.ema[EAGLE3], self.ema[DFLASH], float(self.prev == NO_DRAFT),
+                float(self.prev == EAGLE3), float(self.prev == DFLASH), float(self.prev_accepted)]
+
+
+class AcceptancePredictor(nn.Module):
+    """[..., len(FEATURES)] -> [..., 2]: expected accepted drafts of (EAGLE-3, DFlash) this round. Inputs are
+    standardised by the stored training mean/std; fc1 -> GELU -> fc2 (a few hundred parameters)."""
+
+    def __init__(self, width: int, num_features: int = len(FEATURES)) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(num_features))
+        self.register_buffer("std", torch.ones(num_features))
+        self.fc1 = nn.Linear(num_features, width)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(width, len(DRAFTERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1((x - self.mean) / self.std)))
+
+
+def best_option(expected: dict[str, float], round_seconds: dict[str, float], threshold: float) -> str:
+    """The throughput rule: `expected[d]` = E[accepted drafts of d]; the drafter with the highest expected tokens
+    per second drafts if that beats `threshold` times a target-only round's rate, else NO_DRAFT."""
+    rate = {d: (max(a, 0.0) + 1) / round_seconds[d] for d, a in expected.items()}
+    best = max(rate, key=rate.get)
+    return best if rate[best] > threshold / round_seconds[NO_DRAFT] else NO_DRAFT
+
+
+class ThroughputRouter(Router):
+    def __init__(self, predictor: AcceptancePredictor, round_seconds: dict[str, float], threshold: float,
+                 priors: dict[str, float], alpha: float = 0.5, relax: float = 0.0) -> None:
+        missing = [d for d in (NO_DRAFT, *DRAFTERS) if not round_seconds.get(d, 0) > 0]
+        if missing:
+            raise ValueError(f"throughput router needs a positive round cost for {missing}, got {round_seconds}")
+        self.predictor, self.round_seconds, self.threshold = predictor, dict(round_seconds), threshold
+        self.history = RouterHistory(priors, alpha, relax)
+
+    def expected(self, signal: RouteSignal) -> dict[str, float]:
+        with torch.inference_mode():
+            x = torch.tensor(self.history.features(signal.entropy, signal.margin))
+            return dict(zip(DRAFTERS, self.predictor(x).tolist()))
+
+    def choose(self, signal: RouteSignal) -> str:
+        self.history.update(signal.drafter, signal.accepted)
+        return best_option(self.expected(signal), self.round_seconds, self.threshold)

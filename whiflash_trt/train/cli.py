@@ -132,9 +132,15 @@ def _router(sub) -> None:
     p.add_argument("--dflash", type=Path, required=True, help="DFlash checkpoint folder")
     p.add_argument("--output", type=Path, required=True, help="router.safetensors to write (+ .json report)")
     p.add_argument("--target", default=None, help="default: the target the data was made with")
-    p.add_argument("--width", type=int, default=64, help="hidden width of the router MLP")
+    p.add_argument("--width", type=int, default=16, help="hidden width of the router MLP")
     p.add_argument("--max-states", type=int, help="measure at most this many states (default: all)")
     p.add_argument("--cost-prompts", type=int, default=4, help="validation prompts to time one round of each")
+    p.add_argument("--walks", type=int, default=4, help="random routings per sequence (the history features' rows)")
+    p.add_argument("--states", help="measured states file: read if it exists, else written after measuring; several "
+                                    "comma-separated existing files are read together (e.g. with "
+                                    "scripts/router_states_from_signals.py's), DATA/router is then not measured")
+    p.add_argument("--round-seconds", help="seconds per round instead of timing them here: none=S,eagle3=S,dflash=S "
+                                           "or a whiflash-bench --oracle results.json (its oracle.round_seconds)")
     _common(p)
 
 
@@ -144,7 +150,8 @@ def _run_router(args) -> None:
     from whiflash_trt.config import WHIFLASH, SpecConfig
     from whiflash_trt.train.data import TrainingData, read_manifest, read_prompts
     from whiflash_trt.train.evaluate import make_engine
-    from whiflash_trt.train.router_trainer import round_costs, train_router
+    from whiflash_trt.train.router_trainer import (load_states, measure_states, round_costs, save_states,
+                                                   train_router)
     from whiflash_trt.runtime.tokenizer_policy import chat_ids
     from whiflash_trt.train.target import load_target
 
@@ -154,9 +161,24 @@ def _run_router(args) -> None:
     spec = SpecConfig(mode=WHIFLASH)
     val = read_prompts(args.data / "prompts.val.jsonl")
     picks = [next(r for r in val if r.category == c) for c in sorted({r.category for r in val})][:args.cost_prompts]
-    cost = round_costs(engine, [chat_ids(tokenizer, r.messages) for r in picks], spec)
-    report = train_router(engine, TrainingData(args.data / "router"), args.output, spec, cost, width=args.width,
-                          max_states=args.max_states, seed=args.seed)
+    if args.round_seconds is None:
+        cost = round_costs(engine, [chat_ids(tokenizer, r.messages) for r in picks], spec)
+    elif args.round_seconds.endswith(".json"):
+        cost = json.loads(Path(args.round_seconds).read_text())["oracle"]["round_seconds"]
+    else:
+        cost = {k: float(v) for k, v in (kv.split("=") for kv in args.round_seconds.split(","))}
+    data = TrainingData(args.data / "router")
+    paths = [Path(x) for x in args.states.split(",")] if args.states else []
+    if paths and all(p.is_file() for p in paths):
+        records = [r for p in paths for r in load_states(p)]
+    elif len(paths) > 1:
+        raise SystemExit(f"--states: {', '.join(str(p) for p in paths if not p.is_file())} do not exist")
+    else:
+        records = measure_states(engine, data, spec, args.max_states)
+        if paths:
+            save_states(records, paths[0])
+    report = train_router(engine, data, args.output, spec, cost, width=args.width, seed=args.seed,
+                          walks=args.walks, records=records)
     args.output.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "selection"}, indent=1))
     print(json.dumps(report["selection"], indent=1))

@@ -79,8 +79,10 @@ def build_card(data: Path, eagle3_run: Path, dflash_run: Path, final: Path, benc
              f"{df_cfg['block_size']}, target_layer_ids {df_cfg['dflash_config']['target_layer_ids']}, mask token "
              f"{df_cfg['dflash_config']['mask_token_id']} (outside SmolLM2's 49152-row table: the drafter carries "
              f"`mask_embedding`)",
-             "- `router.safetensors`: WhiFlash-Neural router (576 -> 64 -> GELU -> 1, predicts AL(DFlash) - "
-             "AL(EAGLE-3)) with calibrated neural and entropy thresholds in its metadata\n",
+             "- `router.safetensors`: throughput router (router file v2, spec/router_file.py): 9 free per-round "
+             "features -> 16 -> GELU -> 2, each drafter's expected accepted drafts; routes to the best expected "
+             "tokens per second among none / EAGLE-3 / DFlash; calibrated threshold, EMA weight and relaxation, and "
+             "the three-way entropy rule's thresholds in its metadata\n",
              "## Data\n", _data_section(data),
              "## Training\n", _run_section("EAGLE-3", eagle3_run), "\n", _run_section("DFlash", dflash_run), "\n"]
     if evals:
@@ -94,17 +96,7 @@ def build_card(data: Path, eagle3_run: Path, dflash_run: Path, final: Path, benc
                   _tau_table(evals)]
         parts.append("lossless: " + ", ".join(str(r.get("lossless")) for r in evals) + "\n")
     if router:
-        sel = router["selection"]
-        parts += ["## Router\n",
-                  f"- states measured: {router['num_states']} (train {router['num_train']}, val {router['num_val']}); "
-                  f"mean AL there: {json.dumps({k: round(v, 3) for k, v in router['mean_al'].items()})}",
-                  f"- MSE on dAL: train {router['train_mse']:.3f}, val {router['val_mse']:.3f} (variance of dAL on "
-                  f"val {router['val_var_dal']})",
-                  f"- seconds per round measured here: {json.dumps({k: round(v, 4) for k, v in router['round_seconds'].items()})}",
-                  f"- replayed tokens/s on the router-val states: EAGLE-3 only {sel['eagle3']['tokens_per_s']:.2f}, "
-                  f"DFlash only {sel['dflash']['tokens_per_s']:.2f}, neural (threshold "
-                  f"{sel['neural']['threshold']}) {sel['neural']['tokens_per_s']:.2f}, entropy (threshold "
-                  f"{sel['entropy']['threshold']}) {sel['entropy']['tokens_per_s']:.2f}\n"]
+        parts.append(router_section(router))
     curve = sorted(final.glob("curve-*.json"))
     if curve:
         rows = sorted(snapshot_taus(curve), key=lambda r: (r["mode"], r["tokens"] or 0))
@@ -135,3 +127,33 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def router_section(router: dict) -> str:
+    """The model card's router section from a v2 `whiflash-train router` report (router.json)."""
+    sel, best = router["selection"], router["selection"]["throughput"]
+    fit = router["fits"][f"alpha {best['alpha']} relax {best['relax']}"]
+
+    def rate(name: str) -> str:
+        return f"{sel[name]['tokens_per_s']:.2f}"
+
+    def shares(r: dict) -> str:
+        n = sum(r["rounds"].values())
+        return ", ".join(f"{d} {v / n:.2f}" for d, v in r["rounds"].items())
+
+    quality = "; ".join(f"{d}: MSE {q['mse']} vs variance {q['var']} (R^2 {q['r2']})" for d, q in fit["val"].items())
+    return "\n".join([
+        "## Router\n",
+        f"- file: {router['format']}, features {', '.join(router['features'])}; width {router['width']}; "
+        f"{router['file_bytes']} bytes",
+        f"- states measured: {router['num_states']} (train {router['num_train']}, held-out val {router['num_val']}, "
+        f"split by sequence); mean AL there: {json.dumps({k: round(v, 3) for k, v in router['mean_al'].items()})}; "
+        f"priors (train mean accepted drafts): {json.dumps({k: round(v, 3) for k, v in router['priors'].items()})}",
+        f"- round seconds used: {json.dumps({k: round(v, 4) for k, v in router['round_seconds'].items()})}",
+        f"- held-out prediction quality (val walk rows, alpha {best['alpha']}, relax {best['relax']}): {quality}",
+        f"- simulated tokens/s on the val states: ar {rate('ar')}, EAGLE-3 only {rate('eagle3')}, DFlash only "
+        f"{rate('dflash')}, oracle (three-way) {sel['oracle']['tokens_per_s']:.2f}; throughput router (threshold "
+        f"{best['threshold']}) {rate('throughput')} (rounds: {shares(best)}; agrees with the oracle's choice on "
+        f"{best['oracle_agreement']['accuracy']} of visited states, {best['oracle_agreement']['accuracy_decisive']} "
+        f"of the decisive ones); entropy rule (DFlash below {sel['entropy']['threshold']} nats, none from "
+        f"{sel['entropy']['none_threshold']}) {rate('entropy')} (rounds: {shares(sel['entropy'])})\n"])
