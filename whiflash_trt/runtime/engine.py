@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,7 +19,7 @@ from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, CacheCo
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.models.contracts import TargetOutput
 from whiflash_trt.runtime.drafters import PROPOSERS, Proposer
-from whiflash_trt.runtime.kv_cache import KVCache, KVCacheExhausted, kv_layouts
+from whiflash_trt.runtime.kv_cache import KVCache, kv_layouts
 from whiflash_trt.runtime.loading import EngineParts, load_parts
 from whiflash_trt.runtime import tokenizer_policy
 from whiflash_trt.runtime.policy import resolve_spec
