@@ -28,7 +28,7 @@ from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.runtime.stopping import StopChecker
 from whiflash_trt.runtime.target_runner import Feed, TargetRunner
 from whiflash_trt.runtime.round_costs import measure_round_seconds
-from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, EntropyRouter, NeuralRouter, Router,
+from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, NO_DRAFT, EntropyRouter, NeuralRouter, Router,
                                       ThroughputRouter, route_signal)
 from whiflash_trt.spec.sampling import next_token, target_probs
 from whiflash_trt.spec.tree import DraftTree
@@ -229,7 +229,7 @@ class Engine:
             stats.catch_up_tokens += p.backlog(seq)
             frontiers[p.name] = p.catch_up(seq)
         times["catch_up"] = time.perf_counter() - t1
-        return Draft(proposer.name if proposer else "none", DraftTree([seq.pending], [-1], [0]), frontiers, times)
+        return Draft(proposer.name if proposer else NO_DRAFT, DraftTree([seq.pending], [-1], [0]), frontiers, times)
 
     def verify_feed(self, req: Request, draft: "Draft") -> Feed:
         chain = draft.tree.is_chain
@@ -259,7 +259,7 @@ class Engine:
 @dataclass
 class Draft:
     """What a round's draft phase hands to verify and commit."""
-    drafter: str                     # the proposer's name, "none" for a target-only round
+    drafter: str                     # the proposer's name, NO_DRAFT for a target-only round
     tree: DraftTree                  # the pending bonus alone until the drafter proposes
     frontiers: dict[str, int]        # drafter frontiers the round reached (catch-up and propose)
     times: dict[str, float]          # seconds of route, catch_up, draft
