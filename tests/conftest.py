@@ -14,9 +14,15 @@ import torch
 from tiny_drafters import build_tiny_engine, save_drafters, save_straddling_router
 from tiny_models import make_tiny_checkpoint
 
+from whiflash_trt import kernels
+
 # One intra-op thread: the tiny models gain nothing from more, and on a busy 2-core machine OpenMP workers that
 # wait for a core made a tiny-model generate() 50x slower (2.5 s instead of 0.04 s) and SmolLM2 decoding 10x slower.
 torch.set_num_threads(1)
+
+# The engine's CPU kernels, compiled once into the user cache (~10 s) and loaded before any model is built, so every
+# bf16 target of the session runs its linears as a bf16 engine does (where the CPU has AVX-512 BF16).
+kernels.ensure_loaded()
 
 
 def pytest_report_header(config) -> str:

@@ -101,15 +101,16 @@ def assert_rows_invariant(model: TargetModel, context_tokens: int, chain_len: in
         assert torch.equal(got[node], want), f"tree node {node} after {context_tokens} context tokens differs"
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-fused"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-onednn"])
 def tiny_targets(request, tiny_checkpoint) -> dict[torch.dtype, TargetModel]:
-    """-fused: the engine's inference layout (TargetModel.fuse_projections: bf16 weights prepacked for oneDNN, fp32
-    weights input-major), whose GEMMs must keep rows independent of the row count too."""
-    arch, _, fused = request.param.partition("-")
+    """The engine's inference layout (instantiate_target fuses the projections: bf16 weights on the engine's kernel
+    where conftest loaded it, fp32 weights input-major); -onednn: bf16 weights prepacked for oneDNN instead. Every
+    GEMM must keep rows independent of the row count."""
+    arch, _, onednn = request.param.partition("-")
     ckpt = load_hf_checkpoint(tiny_checkpoint(arch))
     models = {dtype: instantiate_target(ckpt, dtype) for dtype in (torch.bfloat16, torch.float32)}
-    for model in models.values() if fused else ():
-        model.fuse_projections()
+    for model in models.values() if onednn else ():
+        model.fuse_projections(use_kernels=False)
     return models
 
 
@@ -245,7 +246,5 @@ def smollm2_bf16() -> TargetModel:
     if not _SMOLLM2:
         from whiflash_trt.builder.sources import load_checkpoint, resolve_target
 
-        model = instantiate_target(load_checkpoint(resolve_target("smollm2-135m")), torch.bfloat16)
-        model.fuse_projections()
-        _SMOLLM2.append(model)
+        _SMOLLM2.append(instantiate_target(load_checkpoint(resolve_target("smollm2-135m")), torch.bfloat16))
     return _SMOLLM2[0]

@@ -7,6 +7,8 @@
     ENGINE/router.safetensors neural router weights, listed under "components"
     ENGINE/onnx/*.onnx        --backend onnx|tensorrt: exported graphs, listed with their signatures under "onnx"
     ENGINE/tensorrt/*.plan    --backend tensorrt: serialized TensorRT engines, listed under "tensorrt"
+    ENGINE/kernels/*.so       bf16 engines on AVX-512 BF16 CPUs: the engine's compiled CPU kernels, listed under
+                              "kernels" (whiflash_trt/kernels)
 """
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ TARGET_WEIGHTS = "target.safetensors"
 TOKENIZER_DIR = "tokenizer"
 ONNX_DIR = "onnx"
 TENSORRT_DIR = "tensorrt"
+KERNELS_DIR = "kernels"
 ROUTER_WEIGHTS = "router.safetensors"
 # Every name the builder writes at the top of an engine directory (nothing else may be replaced by a rebuild).
 ENGINE_ENTRIES = frozenset({MANIFEST, TARGET_WEIGHTS, TOKENIZER_DIR, "eagle3", "dflash", ROUTER_WEIGHTS, ONNX_DIR,
-                            TENSORRT_DIR})
+                            TENSORRT_DIR, KERNELS_DIR})
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,12 @@ class Manifest:
     components: dict[str, Any] = field(default_factory=dict)
     onnx: dict[str, Any] = field(default_factory=dict)        # graphs of the onnx / tensorrt backends
     tensorrt: dict[str, Any] = field(default_factory=dict)
+    kernels: dict[str, Any] = field(default_factory=dict)     # "path", "version" of the kernel library
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
-        backends = {k: v for k, v in (("onnx", self.onnx), ("tensorrt", self.tensorrt)) if v}
+        backends = {k: v for k, v in (("onnx", self.onnx), ("tensorrt", self.tensorrt), ("kernels", self.kernels))
+                    if v}
         return json.dumps({
             "format_version": self.format_version,
             "architecture": self.model.architecture,
@@ -81,7 +86,7 @@ class Manifest:
                        capture_layers=tuple(d["capture_layers"]), block_size=d["kv_layout"]["block_size"],
                        kv_pools=tuple(d["kv_layout"]["pools"]), source=d["source"],
                        build_options=d["build_options"], components=d.get("components", {}),
-                       onnx=d.get("onnx", {}), tensorrt=d.get("tensorrt", {}),
+                       onnx=d.get("onnx", {}), tensorrt=d.get("tensorrt", {}), kernels=d.get("kernels", {}),
                        format_version=version)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path} is corrupt or incomplete: {type(e).__name__}: {e}") from None

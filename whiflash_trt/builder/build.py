@@ -10,14 +10,15 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from whiflash_trt import __version__
+from whiflash_trt import __version__, kernels
 from whiflash_trt.builder.sources import load_checkpoint, load_tokenizer, resolve_target
 from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines
 from whiflash_trt.plugins.tensorrt_plugin import import_tensorrt
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.config import BACKENDS, DFLASH, EAGLE3, CacheConfig, dtype_name, parse_dtype
 from whiflash_trt.builder.output_dir import check_output, install, staging_dir
-from whiflash_trt.manifest import ONNX_DIR, ROUTER_WEIGHTS, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256
+from whiflash_trt.manifest import (KERNELS_DIR, ONNX_DIR, ROUTER_WEIGHTS, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest,
+                                   file_sha256)
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.runtime.kv_cache import kv_layouts
@@ -102,6 +103,20 @@ def export_graphs(ckpt: Checkpoint, drafters: dict, dtype: torch.dtype, engine_d
     return section
 
 
+def add_kernels(engine_dir: Path) -> dict:
+    """The manifest's kernels section: the compiled CPU kernels copied into the engine, or {} (and why, on stderr)
+    where this machine cannot build them; the engine then runs its linears on oneDNN."""
+    try:
+        library = kernels.compile_library(kernels.DEFAULT_CACHE)
+    except kernels.KernelBuildError as e:
+        kernels.report_unavailable(str(e))
+        return {}
+    (engine_dir / KERNELS_DIR).mkdir()
+    shutil.copyfile(library, engine_dir / KERNELS_DIR / kernels.LIBRARY)
+    return {"path": f"{KERNELS_DIR}/{kernels.LIBRARY}", "version": kernels.version(),
+            "ops": ["whiflash::linear_bf16"]}
+
+
 def with_bundled(opts: BuildOptions) -> BuildOptions:
     """Fill in the package's drafters/router for a named target where the user gave none."""
     from dataclasses import replace
@@ -151,6 +166,8 @@ def build_engine(opts: BuildOptions) -> Path:
         if opts.backend != "torch":
             graphs["onnx"] = export_graphs(Checkpoint(cfg, state, ckpt.source), drafters, dtype, tmp,
                                            opts.show_progress)
+        if opts.backend == "torch" and dtype == torch.bfloat16:
+            graphs["kernels"] = add_kernels(tmp)
         if opts.backend == "tensorrt":
             graphs["tensorrt"] = build_tensorrt_engines(tmp, graphs["onnx"], cfg.max_position_embeddings,
                                                         opts.block_size, opts.show_progress)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from whiflash_trt import kernels
 from whiflash_trt.builder.build import BuildOptions, build_engine
 from whiflash_trt.builder.bundled import bundled_for
 from whiflash_trt.builder.sources import DEFAULT_TARGET
@@ -14,7 +15,9 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
 
 
 def default_engine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
-    engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16-{bundled_for(DEFAULT_TARGET).version()}"
+    # the kernels' version too: an engine built before them (or for another torch) is not reused
+    engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16-{bundled_for(DEFAULT_TARGET).version()}" \
+        f"-{kernels.version()}"
     if not (engine_dir / MANIFEST).is_file():
         print(f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)", file=sys.stderr)
         build_engine(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16"))

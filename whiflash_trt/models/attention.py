@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from whiflash_trt import kernels
 from whiflash_trt.models.contracts import Segment
 
 CHUNK = 64       # keys per chunk: every chunk reduction has this length
@@ -50,6 +51,46 @@ class KeyLayout:
     """Built once per forward from the segments; every layer's attention reads it."""
     blocks: list[RowBlock]
     group: int  # query heads per KV head
+
+    def attend(self, q, k, v, k_pool, v_pool, write_slots, scale: float) -> torch.Tensor:
+        """Writes k, v [T, kv, D] at write_slots of one layer's pools, then q [T, heads, D] -> [T, heads * D]."""
+        k_pool.index_copy_(0, write_slots, k)
+        v_pool.index_copy_(0, write_slots, v)
+        return row_invariant_attention(q, k_pool, v_pool, self, scale)
+
+
+@dataclass
+class RowKeys:
+    """Each row's visible keys as pool slots in logical order, for the engine's attention kernel
+    (whiflash_trt/kernels/paged_attention.cpp, row-invariant by construction)."""
+    slots: torch.Tensor    # [T, W] int64; row t reads slots[t, :lengths[t]]
+    lengths: torch.Tensor  # [T] int64
+
+    def attend(self, q, k, v, k_pool, v_pool, write_slots, scale: float) -> torch.Tensor:
+        return kernels.paged_attention(q, k, v, k_pool, v_pool, write_slots, self.slots, self.lengths, scale)
+
+
+def attention_keys(segments: list[Segment], group: int, use_kernel: bool) -> KeyLayout | RowKeys:
+    """What every layer's attention of one forward reads: RowKeys for the kernel where it is loaded and wanted."""
+    return row_keys(segments) if use_kernel and kernels.registered() else key_layout(segments, group)
+
+
+def row_keys(segments: list[Segment]) -> RowKeys:
+    """A row's visible keys in read order: the context, then (a tree node) its ancestors, then itself, exactly the
+    keys a chain gives that position."""
+    slots, lengths = [], []
+    for seg in segments:
+        rows, width = seg.mask.shape
+        count = seg.mask.sum(-1)
+        if torch.equal(seg.mask, torch.arange(width, device=seg.mask.device) < count[:, None]):
+            slots.append(seg.read_slots.expand(rows, width))  # prefill, decode, chain: a prefix of the read keys
+        else:
+            order = torch.sort((~seg.mask).to(torch.uint8), dim=-1, stable=True).indices
+            slots.append(seg.read_slots[order])
+        lengths.append(count)
+    width = max(s.shape[1] for s in slots)
+    padded = [torch.nn.functional.pad(s, (0, width - s.shape[1])) for s in slots]  # slot 0 past a row's length
+    return RowKeys(torch.cat(padded), torch.cat(lengths))
 
 
 def key_layout(segments: list[Segment], group: int) -> KeyLayout:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from whiflash_trt.config import ModelConfig, RopeConfig
-from whiflash_trt.models.attention import key_layout
+from whiflash_trt.models.attention import attention_keys
 from whiflash_trt.models.contracts import Eagle3, Segment
 from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU
 from whiflash_trt.models.target import Attention
@@ -102,7 +102,8 @@ class Eagle3Drafter(nn.Module, Eagle3):
         layer = self.midlayer
         cos, sin = self.rotary(positions, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        keys = key_layout(segments, self.config.num_heads // self.config.num_kv_heads)
+        # torch attention: the drafter also trains through this forward (the kernel has no backward)
+        keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, use_kernel=False)
         h = hidden + layer.self_attn(x, cos, sin, k_cache[0], v_cache[0], write_slots, keys)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from whiflash_trt import kernels
 from whiflash_trt.config import RopeConfig
 
 
@@ -40,22 +41,29 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 class FrozenLinear:
-    """An inference-only linear layer (weight [out, in]) computed as row_linear does, so that its rows do not depend
-    on the row count. A bf16 CPU weight is prepacked for oneDNN: its packed GEMM gives the bits of F.linear (with
-    row_linear's rule for a lone row over in_features > 1024, whose GEMV path sums in another order) and streams the
-    weights of few-row calls (verify trees, batches) 1.6-2.2x faster than F.linear (measured on this project's CPUs;
-    tests/test_row_invariance.py holds the bits)."""
+    """An inference-only linear layer (weight [out, in]) whose rows do not depend on the row count, so a verify row
+    equals a 1-token step's row. A bf16 CPU weight runs on the engine's own kernel where it is loaded (whiflash_trt
+    .kernels: row-invariant by construction, and 1.2-1.4x faster than oneDNN for decode and verify), else prepacked
+    for oneDNN: its packed GEMM gives the bits of F.linear (with row_linear's rule for a lone row over in_features >
+    1024, whose GEMV path sums in another order) and streams the weights of few-row calls 1.6-2.2x faster than
+    F.linear. Measured on this project's CPUs; tests/test_row_invariance.py and tests/test_kernels.py hold the bits."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True) -> None:
         self.weight, self.bias = weight, bias
-        self.packed = None
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        self.packed = self.kernel_weight = self.kernel_bias = None
+        if use_kernel and kernels.registered() and kernels.supports(weight):
+            self.kernel_weight = kernels.pack_weight(weight)
+            self.kernel_bias = None if bias is None else bias.detach().float()
+        elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.kernel_weight is not None:
+            y = kernels.linear(rows, self.kernel_weight, self.kernel_bias, self.weight.shape[0])
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self.packed is None:
             return row_linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
         lone = rows.shape[0] == 1 and rows.shape[1] > 1024   # row_linear's rule: a lone row runs as two
         y = torch.ops.mkldnn._linear_pointwise(rows.repeat(2, 1) if lone else rows, self.packed, self.bias, "none",
                                                [], "")
@@ -84,14 +92,15 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up: FrozenLinear | None = None  # set by fuse(), with self.down
 
-    def fuse(self) -> None:
+    def fuse(self, use_kernels: bool = True) -> None:
         """One [gate; up] matrix; gate/up_proj become views into it (names and state_dict unchanged)."""
         fused = k_major(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         self.down_proj.weight = nn.Parameter(k_major(self.down_proj.weight), requires_grad=False)
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
-        self.gate_up, self.down = FrozenLinear(fused), FrozenLinear(self.down_proj.weight)
+        self.gate_up = FrozenLinear(fused, use_kernel=use_kernels)
+        self.down = FrozenLinear(self.down_proj.weight, use_kernel=use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:

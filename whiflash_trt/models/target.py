@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from whiflash_trt.config import ModelConfig
-from whiflash_trt.models.attention import KeyLayout, key_layout, row_invariant_attention
+from whiflash_trt import kernels
+from whiflash_trt.models.attention import KeyLayout, RowKeys, attention_keys
 from whiflash_trt.models.contracts import Segment, Target, TargetOutput
 from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear
 
@@ -35,7 +36,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv: FrozenLinear | None = None  # set by fuse(), with self.o
 
-    def fuse(self) -> None:
+    def fuse(self, use_kernels: bool = True) -> None:
         """One [q;k;v] matrix; q/k/v_proj become views into it, so names and state_dict stay the checkpoint's."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         fused = k_major(torch.cat([p.weight for p in projs]))
@@ -48,7 +49,8 @@ class Attention(nn.Module):
                 p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
             start += n
         self.o_proj.weight = nn.Parameter(k_major(self.o_proj.weight), requires_grad=False)
-        self.qkv, self.o = FrozenLinear(fused, bias), FrozenLinear(self.o_proj.weight, self.o_proj.bias)
+        self.qkv = FrozenLinear(fused, bias, use_kernels)
+        self.o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, use_kernels)
 
     def project(self, x, cos, sin):
         """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
@@ -66,11 +68,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, keys: KeyLayout):
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, keys: KeyLayout | RowKeys):
         q, k, v = self.project(x, cos, sin)
-        k_pool.index_copy_(0, write_slots, k)
-        v_pool.index_copy_(0, write_slots, v)
-        out = row_invariant_attention(q, k_pool, v_pool, keys, self.scale)
+        out = keys.attend(q, k, v, k_pool, v_pool, write_slots, self.scale)
         return self.o(out) if self.qkv is not None else row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, keys: KeyLayout):
+    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, keys: KeyLayout | RowKeys):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, write_slots, keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -99,6 +99,7 @@ class TargetModel(nn.Module, Target):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.head: FrozenLinear | None = None  # the lm_head, set by fuse_projections
+        self.kernel_attention = False          # set by fuse_projections
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,17 +111,19 @@ class TargetModel(nn.Module, Target):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden) if self.head is not None else self.lm_head(hidden)
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, use_kernels: bool = True) -> None:
         """Inference-only: one matmul for q/k/v and one for gate/up per layer (fewer, larger weight streams), every
-        weight in the layout whose GEMM rows do not depend on the row count (layers.k_major)."""
+        weight in the layout whose GEMM rows do not depend on the row count (layers.k_major). `use_kernels`: the
+        attention and the bf16 linears run on whiflash_trt.kernels where they are loaded (False: torch and oneDNN)."""
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.fuse(use_kernels)
+            layer.mlp.fuse(use_kernels)
         head = nn.Parameter(k_major(self.lm_head.weight), requires_grad=False)
         if self.lm_head.weight is self.embed_tokens.weight:
             self.embed_tokens.weight = head
         self.lm_head.weight = head
-        self.head = FrozenLinear(head)
+        self.head = FrozenLinear(head, use_kernel=use_kernels)
+        self.kernel_attention = use_kernels and kernels.registered()
 
     def forward(
         self,
@@ -145,7 +148,7 @@ class TargetModel(nn.Module, Target):
         its rows in a call of its own (see models/attention.py)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        keys = key_layout(segments, self.config.num_heads // self.config.num_kv_heads)
+        keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, self.kernel_attention)
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, keys)

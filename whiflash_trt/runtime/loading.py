@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from whiflash_trt import kernels
 from whiflash_trt.config import DFLASH, EAGLE3, parse_dtype
 from whiflash_trt.errors import CheckpointError, WhiflashError
 from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest
@@ -38,6 +39,22 @@ def load_tokenizer(engine_dir: Path):
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"engine {engine_dir} has no tokenizer ({folder}/tokenizer.json is missing)")
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_engine_kernels(engine_dir: Path, manifest: Manifest) -> None:
+    """The engine's compiled kernels, where it carries them and they fit this machine and torch; otherwise its
+    linears run on oneDNN (same tokens, another rounding), and the reason is printed."""
+    entry = manifest.kernels
+    if not entry or kernels.registered():
+        return
+    if entry.get("version") != kernels.version():
+        kernels.report_unavailable(f"the engine's kernels were built for another torch or source version; "
+                                   f"rebuild the engine")
+        return
+    try:
+        kernels.load(engine_dir / entry["path"])
+    except OSError as e:
+        kernels.report_unavailable(f"cannot load {entry['path']}: {e}")
 
 
 def checkpoint_parts(target: Target, tokenizer, device: str = "cpu", eagle3: Path | None = None,
@@ -74,6 +91,8 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
     torch_dtype = parse_dtype(dtype or manifest.dtype)
     if device == "cpu" and torch_dtype == torch.float16:
         raise WhiflashError("fp16 is not supported on CPU; use bf16 or fp32 (fp16 is for CUDA)")
+    if device == "cpu" and torch_dtype == torch.bfloat16:
+        load_engine_kernels(engine_dir, manifest)
     target = instantiate_target(Checkpoint(manifest.model, state, str(weights)), torch_dtype, device)
     return checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],
                             paths["router"], manifest)

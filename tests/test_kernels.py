@@ -1,0 +1,137 @@
+"""The engine's bf16 GEMM kernel (whiflash_trt/kernels): the products of F.linear up to one bf16 rounding, and rows
+that do not depend on the other rows of the call or on the thread count (what lossless verification needs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from whiflash_trt import kernels
+from whiflash_trt.models.layers import FrozenLinear
+
+pytestmark = pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine "
+                                "(no AVX-512 BF16 or no C++ compiler: conftest printed why)")
+
+SHAPES = [(960, 576), (577, 64), (200, 1536), (64, 2)]   # out, in: padded and single-block outputs included
+
+
+def weights(out_features: int, in_features: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g) if bias else None
+    return w, b
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_fp32_linear_to_one_rounding(out_features, in_features, bias):
+    w, b = weights(out_features, in_features, bias)
+    x = torch.randn(7, in_features).bfloat16()
+    got = kernels.linear(x, kernels.pack_weight(w), b, out_features)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (7, out_features)
+    # one bf16 rounding (half an ulp, 2^-9 relative) plus fp32 accumulation error
+    assert torch.allclose(got.double(), want, rtol=2 ** -8, atol=1e-4 * in_features ** 0.5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_kernel_rows_do_not_depend_on_the_call(out_features, in_features, num_threads):
+    w, b = weights(out_features, in_features, bias=True)
+    packed = kernels.pack_weight(w)
+    x = torch.randn(37, in_features).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        alone = torch.cat([kernels.linear(x[i:i + 1], packed, b, out_features) for i in range(37)])
+        for rows in (2, 3, 4, 5, 8, 16, 37):
+            together = kernels.linear(x[:rows], packed, b, out_features)
+            assert torch.equal(together, alone[:rows]), f"{rows} rows differ from the rows alone"
+            shifted = kernels.linear(x[37 - rows:], packed, b, out_features)
+            assert torch.equal(shifted, alone[37 - rows:]), f"the last {rows} rows differ from the rows alone"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_frozen_linear_runs_on_the_kernel_only_when_asked():
+    w, b = weights(576, 576, bias=True)
+    x = torch.randn(2, 3, 576).bfloat16()
+    on, off = FrozenLinear(w, b), FrozenLinear(w, b, use_kernel=False)
+    assert on.kernel_weight is not None and off.kernel_weight is None
+    assert torch.equal(on(x), kernels.linear(x.view(6, 576), on.kernel_weight, b, 576).view(2, 3, 576))
+    assert torch.allclose(on(x).float(), off(x).float(), rtol=2 ** -6, atol=1e-2)
+    assert FrozenLinear(w.float()).kernel_weight is None   # fp32 stays on MKL
+
+
+def test_kernel_rejects_bad_inputs():
+    w, _ = weights(64, 32, bias=False)
+    packed = kernels.pack_weight(w)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.linear(torch.randn(2, 32), packed, None, 64)
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.linear(torch.randn(2, 30).bfloat16(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernels.linear(torch.randn(2, 32).bfloat16(), packed, None, 200)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.linear(torch.randn(2, 32).bfloat16(), packed, torch.zeros(64).bfloat16(), 64)
+
+
+def pools_and_queries(dtype, rows: int, heads: int = 6, kv_heads: int = 2, dim: int = 40, slots: int = 300):
+    g = torch.Generator().manual_seed(1)
+    k_pool, v_pool = (torch.randn(slots, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, k_pool, v_pool
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_paged_attention_matches_softmax_attention(dtype):
+    rows, heads, kv_heads, dim = 5, 6, 2, 40
+    q, k, v, k_pool, v_pool = pools_and_queries(dtype, rows, heads, kv_heads, dim)
+    write = torch.tensor([290, 3, 150, 7, 299])
+    row_slots = torch.randperm(280)[:100].repeat(rows, 1)
+    row_slots[:, 60:65] = write   # each row sees the new keys too, in the middle of its keys
+    row_len = torch.tensor([61, 100, 62, 65, 1])
+    pools = k_pool.clone(), v_pool.clone()
+    out = kernels.paged_attention(q, k, v, *pools, write, row_slots, row_len, dim ** -0.5)
+    assert torch.equal(pools[0][write], k) and torch.equal(pools[1][write], v)
+    assert out.shape == (rows, heads * dim) and out.dtype == dtype
+    for t in range(rows):
+        keys = row_slots[t, :row_len[t]]
+        kk = pools[0][keys].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [heads, S, D]
+        vv = pools[1][keys].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        p = torch.softmax((q[t].double()[:, None] * kk).sum(-1) * dim ** -0.5, -1)   # [heads, S]
+        want = (p[..., None] * vv).sum(1).flatten()
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        assert torch.allclose(out[t].double(), want, rtol=tol, atol=tol), f"row {t}"
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_paged_attention_rows_do_not_depend_on_the_call(num_threads):
+    q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=9)
+    write = torch.arange(250, 259)
+    row_slots = torch.cat([torch.arange(200), write]).repeat(9, 1)
+    row_len = torch.arange(201, 210)   # a 9-token chain over 200 context keys
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        together = kernels.paged_attention(q, k, v, k_pool, v_pool, write, row_slots, row_len, 0.1)
+        for t in range(9):   # row t alone, as a decode step after the first t chain tokens were written
+            alone = kernels.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_pool, v_pool, write[t:t + 1],
+                                            row_slots[t:t + 1, :row_len[t]], row_len[t:t + 1], 0.1)
+            assert torch.equal(alone[0], together[t]), f"row {t}"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_paged_attention_rejects_bad_inputs():
+    q, k, v, k_pool, v_pool = pools_and_queries(torch.float32, rows=2)
+    write, row_len = torch.tensor([0, 1]), torch.tensor([2, 2])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.paged_attention(q, k, v, k_pool, v_pool, write, torch.tensor([[0, 300], [0, 1]]), row_len, 1.0)
+    with pytest.raises(RuntimeError, match="between 1 and W"):
+        kernels.paged_attention(q, k, v, k_pool, v_pool, write, torch.tensor([[0, 1], [0, 1]]),
+                                torch.tensor([0, 2]), 1.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.paged_attention(q.bfloat16(), k, v, k_pool, v_pool, write, torch.tensor([[0, 1], [0, 1]]),
+                                row_len, 1.0)

@@ -1,0 +1,129 @@
+"""The engine's own CPU kernels, compiled with the machine's C++ compiler into one library an engine directory
+carries, and loaded once per process:
+- linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify;
+- paged_attention.cpp: attention of each row to its visible keys in a paged KV pool.
+Both give every row the same bits whatever else the call holds (what lossless verification needs).
+
+    path = compile_library(DEFAULT_CACHE)  # once per source version; whiflash-build copies it into the engine
+    load(path)                             # registers torch.ops.whiflash.linear_bf16 in this process
+    if registered(): packed = pack_weight(w); y = linear(x, packed, bias, w.shape[0])
+                     out = paged_attention(q, k, v, k_pool, v_pool, write_slots, row_slots, row_len, scale)
+
+TargetModel.fuse_projections hands bf16 weights and the attention to them once they are loaded. Where the CPU lacks AVX-512 BF16 or no C++
+compiler is found, nothing is loaded and the linears keep oneDNN (models/layers.py FrozenLinear).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCES = [Path(__file__).with_name(name) for name in ("linear_bf16.cpp", "paged_attention.cpp")]
+DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
+LIBRARY = "whiflash_kernels.so"
+BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def cpu_supported() -> bool:
+    """The CPU has the instructions the kernel uses (read from /proc/cpuinfo; other systems: no)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(f in flags for f in CPU_FLAGS)
+
+
+def version() -> str:
+    """Identifies a compiled library: the source, the flags and the torch it was built against."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
+                            + torch.__version__.encode())
+    return digest.hexdigest()[:12]
+
+
+def compile_library(cache_dir: Path) -> Path:
+    """The kernel library for this source and torch, compiled into cache_dir/<version>/ unless already there
+    (~1 minute on 2 cores). Raises KernelBuildError with the reason when it cannot be built here."""
+    out = cache_dir / version()
+    library = out / LIBRARY
+    if library.is_file():
+        return library
+    if not cpu_supported():
+        raise KernelBuildError("this CPU lacks AVX-512 BF16 (the kernel's instructions)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise KernelBuildError("no C++ compiler (install g++, e.g. apt-get install g++)")
+    from torch.utils import cpp_extension
+
+    build = out / "build"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load("whiflash_kernels", [str(p) for p in SOURCES], extra_cflags=FLAGS, build_directory=str(build),
+                           is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:  # compiler errors, missing ninja
+        raise KernelBuildError(f"compiling the kernels failed: {e}") from None
+    shutil.copyfile(build / LIBRARY, library)
+    return library
+
+
+def load(library: Path) -> bool:
+    """Registers the kernel from `library` unless it is registered already (a process holds one); False where the
+    CPU cannot run it."""
+    if not cpu_supported():
+        return False
+    if not registered():
+        torch.ops.load_library(str(library))
+    return True
+
+
+def ensure_loaded(cache_dir: Path = DEFAULT_CACHE) -> bool:
+    """Compile (once) and load the kernels for a model built outside an engine directory (training data, tests);
+    says why on stderr and returns False where they cannot be used here."""
+    try:
+        return load(compile_library(cache_dir))
+    except (KernelBuildError, OSError) as e:
+        report_unavailable(str(e))
+        return False
+
+
+def registered() -> bool:
+    return hasattr(torch.ops.whiflash, "paged_attention")
+
+
+def supports(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> [ceil(N/64), K/2, 64] int32, each int32 the pair W[n, 2k], W[n, 2k+1] (zero rows pad N)."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % BLOCK))
+    pairs = padded.view(-1, BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+    return pairs.view(torch.int32).view(-1, k // 2, BLOCK)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, out_features] bf16; bias fp32 or None."""
+    return torch.ops.whiflash.linear_bf16(x, packed, bias, out_features)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    write_slots: torch.Tensor, row_slots: torch.Tensor, row_len: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Writes k, v [T, kv_heads, D] at write_slots [T] of one layer's pools [slots, kv_heads, D], then attends q
+    [T, heads, D] row t to the pool slots row_slots[t, :row_len[t]] (int64, logical order) -> [T, heads * D]."""
+    return torch.ops.whiflash.paged_attention(q, k, v, k_pool, v_pool, write_slots, row_slots, row_len, scale)
+
+
+def report_unavailable(reason: str) -> None:
+    print(f"whiflash: the bf16 GEMM kernel is not used ({reason}); linears run on oneDNN", file=sys.stderr)

@@ -1,0 +1,132 @@
+// whiflash::paged_attention: writes the new tokens' K/V into one layer's paged pool, then attends every query row to
+// its visible keys, given per row as pool slots in logical order.
+//
+// Row invariance by construction: one (row, head) is computed by one thread, in a fixed order that depends only on
+// its query and its keys: scores q.k (16 fp32 lanes over head_dim, then a fixed lane reduction) in key order, the max,
+// exp(s - max) and their sum in key order, then sum_j p_j v_j in key order (16 lanes over head_dim). A verify row, a
+// tree node or a row of a batched call equals the same position fed alone, bit for bit (tests/test_kernels.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// 16 elements from d0 (masked past the end) as fp32
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+  __m256i bits = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+template <typename T>
+void attend_row(const T* q, const T* k_pool, const T* v_pool, int64_t slot_stride, const int64_t* slots,
+                int64_t keys, int64_t dim, float scale, float* scores, float* acc, T* out) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* k = k_pool + slots[j] * slot_stride;
+    __m512 dot = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      __mmask16 m = lanes(dim - d);
+      dot = _mm512_fmadd_ps(load16(q + d, m), load16(k + d, m), dot);
+    }
+    scores[j] = _mm512_reduce_add_ps(dot) * scale;
+    top = std::max(top, scores[j]);
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < keys; ++j) {
+    scores[j] = std::exp(scores[j] - top);
+    total += scores[j];
+  }
+  for (int64_t d = 0; d < dim; d += 16) store16(acc + d, _mm512_setzero_ps(), lanes(dim - d));
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* v = v_pool + slots[j] * slot_stride;
+    __m512 p = _mm512_set1_ps(scores[j]);
+    for (int64_t d = 0; d < dim; d += 16) {
+      __mmask16 m = lanes(dim - d);
+      store16(acc + d, _mm512_fmadd_ps(p, load16(v + d, m), load16(acc + d, m)), m);
+    }
+  }
+  __m512 inv = _mm512_set1_ps(1.f / total);
+  for (int64_t d = 0; d < dim; d += 16) {
+    __mmask16 m = lanes(dim - d);
+    store16(out + d, _mm512_mul_ps(load16(acc + d, m), inv), m);
+  }
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& row_slots,
+            const at::Tensor& row_len, double scale, at::Tensor& out) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t group = heads / k_pool.size(1), width = row_slots.size(1);
+  const int64_t slot_stride = k_pool.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t* sp = row_slots.data_ptr<int64_t>();
+  const int64_t* lp = row_len.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows * heads, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(width), acc(dim + 16);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / heads, h = i % heads, kv = h / group;
+      attend_row<T>(qp + i * dim, kp + kv * dim, vp + kv * dim, slot_stride, sp + t * width, lp[t], dim,
+                    static_cast<float>(scale), scores.data(), acc.data(), op + i * dim);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
+                           at::Tensor v_pool, const at::Tensor& write_slots, const at::Tensor& row_slots,
+                           const at::Tensor& row_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k_pool.dim() == 3, "paged_attention: q [T, heads, D], k and v "
+              "[T, kv_heads, D], pools [slots, kv_heads, D]");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k.scalar_type() == k_pool.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "paged_attention: q, k, v and the pools must share one dtype, fp32 or bf16");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
+              "paged_attention: the pools must be contiguous and of one shape");
+  TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0, "paged_attention: head shapes differ");
+  TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == q.size(0) && row_len.numel() == q.size(0) &&
+                  row_slots.scalar_type() == at::kLong && row_len.scalar_type() == at::kLong,
+              "paged_attention: row_slots [T, W] and row_len [T] int64");
+  k_pool.index_copy_(0, write_slots, k);
+  v_pool.index_copy_(0, write_slots, v);
+  at::Tensor qc = q.contiguous(), slots = row_slots.contiguous(), len = row_len.contiguous();
+  if (len.numel() > 0) {
+    auto [low, high] = at::aminmax(len);
+    TORCH_CHECK(low.item<int64_t>() >= 1 && high.item<int64_t>() <= slots.size(1),
+                "paged_attention: every row sees between 1 and W keys");
+    auto [first, last] = at::aminmax(slots);
+    TORCH_CHECK(first.item<int64_t>() >= 0 && last.item<int64_t>() < k_pool.size(0),
+                "paged_attention: a read slot is outside the pool");
+  }
+  at::Tensor out = at::empty_like(qc);
+  if (q.scalar_type() == at::kFloat) {
+    attend<float>(qc, k_pool, v_pool, slots, len, scale, out);
+  } else {
+    attend<at::BFloat16>(qc, k_pool, v_pool, slots, len, scale, out);
+  }
+  return out.view({q.size(0), q.size(1) * q.size(2)});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(whiflash, m) {
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, "
+        "Tensor row_slots, Tensor row_len, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(whiflash, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}
