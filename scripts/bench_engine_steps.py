@@ -1,9 +1,10 @@
-"""CPU time of the target's steps over one sequence (a 300-token context): a decode step, a 9-token chain verify and a
-16-node tree verify; median of --repeats, this thread's CPU time (robust to other jobs taking the other cores).
+"""Time of the target's steps over one sequence (a 300-token context): a decode step, a 9-token chain verify and a
+16-node tree verify; median of --repeats, wall-clock (run it on a quiet machine).
 
-    python scripts/bench_engine_steps.py --engine ~/.cache/whiflash-trt/engines/smollm2-135m-bf16-... --threads 1
+    python scripts/bench_engine_steps.py --engine ~/.cache/whiflash-trt/engines/smollm2-135m-bf16-... --threads 2 \
+        --backend torch compiled
 
-To compare two versions, run it from each checkout in turn (interleaved, a few times each).
+Backends are timed in turn, step kind by step kind; to compare two versions, run it from each checkout in turn.
 """
 from __future__ import annotations
 
@@ -26,9 +27,15 @@ def main() -> None:
     p.add_argument("--engine", type=Path, required=True, help="engine directory")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--repeats", type=int, default=25, help="timed steps per kind")
+    p.add_argument("--backend", nargs="+", default=[None], help="backends to time (default: the engine's)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine.load(args.engine)
+    for backend in args.backend:
+        print(json.dumps({"backend": backend or "engine's"} | time_steps(Engine.load(args.engine, backend=backend),
+                                                                           args.repeats)))
+
+
+def time_steps(engine: Engine, repeats: int) -> dict:
     depths = [0]
     for parent in TREE_PARENTS[1:]:
         depths.append(depths[parent] + 1)
@@ -41,12 +48,12 @@ def main() -> None:
         seq.commit(seq.prompt_ids, None)
         for name, feed in kinds.items():
             times = []
-            for _ in range(args.repeats):
-                start = time.thread_time()
+            for _ in range(repeats):
+                start = time.perf_counter()
                 engine.runner.step(seq, **feed)
-                times.append(time.thread_time() - start)
+                times.append(time.perf_counter() - start)
             result[name + "_ms"] = round(statistics.median(times) * 1e3, 2)
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

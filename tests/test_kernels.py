@@ -77,8 +77,9 @@ def test_kernel_rejects_bad_inputs():
 
 
 def pools_and_queries(dtype, rows: int, heads: int = 6, kv_heads: int = 2, dim: int = 40, slots: int = 300):
+    """q and the new k, v of `rows` tokens; pools of 2 layers [2, slots, kv_heads, D] (the tests use layer 1)."""
     g = torch.Generator().manual_seed(1)
-    k_pool, v_pool = (torch.randn(slots, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    k_pool, v_pool = (torch.randn(2, slots, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
     q = torch.randn(rows, heads, dim, generator=g).to(dtype)
     k, v = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
     return q, k, v, k_pool, v_pool
@@ -93,13 +94,14 @@ def test_paged_attention_matches_softmax_attention(dtype):
     row_slots[:, 60:65] = write   # each row sees the new keys too, in the middle of its keys
     row_len = torch.tensor([61, 100, 62, 65, 1])
     pools = k_pool.clone(), v_pool.clone()
-    out = kernels.paged_attention(q, k, v, *pools, write, row_slots, row_len, dim ** -0.5)
-    assert torch.equal(pools[0][write], k) and torch.equal(pools[1][write], v)
+    out = kernels.paged_attention(q, k, v, *pools, 1, write, row_slots, row_len, dim ** -0.5)
+    assert torch.equal(pools[0][1, write], k) and torch.equal(pools[1][1, write], v)
+    assert torch.equal(pools[0][0], k_pool[0]) and torch.equal(pools[1][0], v_pool[0])   # layer 0 untouched
     assert out.shape == (rows, heads * dim) and out.dtype == dtype
     for t in range(rows):
         keys = row_slots[t, :row_len[t]]
-        kk = pools[0][keys].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [heads, S, D]
-        vv = pools[1][keys].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        kk = pools[0][1, keys].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [heads, S, D]
+        vv = pools[1][1, keys].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         p = torch.softmax((q[t].double()[:, None] * kk).sum(-1) * dim ** -0.5, -1)   # [heads, S]
         want = (p[..., None] * vv).sum(1).flatten()
         tol = 1e-5 if dtype == torch.float32 else 2 ** -7
@@ -115,9 +117,9 @@ def test_paged_attention_rows_do_not_depend_on_the_call(num_threads):
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        together = kernels.paged_attention(q, k, v, k_pool, v_pool, write, row_slots, row_len, 0.1)
+        together = kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, row_slots, row_len, 0.1)
         for t in range(9):   # row t alone, as a decode step after the first t chain tokens were written
-            alone = kernels.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_pool, v_pool, write[t:t + 1],
+            alone = kernels.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_pool, v_pool, 1, write[t:t + 1],
                                             row_slots[t:t + 1, :row_len[t]], row_len[t:t + 1], 0.1)
             assert torch.equal(alone[0], together[t]), f"row {t}"
     finally:
@@ -128,10 +130,12 @@ def test_paged_attention_rejects_bad_inputs():
     q, k, v, k_pool, v_pool = pools_and_queries(torch.float32, rows=2)
     write, row_len = torch.tensor([0, 1]), torch.tensor([2, 2])
     with pytest.raises(RuntimeError, match="outside the pool"):
-        kernels.paged_attention(q, k, v, k_pool, v_pool, write, torch.tensor([[0, 300], [0, 1]]), row_len, 1.0)
+        kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, torch.tensor([[0, 300], [0, 1]]), row_len, 1.0)
     with pytest.raises(RuntimeError, match="between 1 and W"):
-        kernels.paged_attention(q, k, v, k_pool, v_pool, write, torch.tensor([[0, 1], [0, 1]]),
+        kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, torch.tensor([[0, 1], [0, 1]]),
                                 torch.tensor([0, 2]), 1.0)
+    with pytest.raises(RuntimeError, match="layer"):
+        kernels.paged_attention(q, k, v, k_pool, v_pool, 2, write, torch.tensor([[0, 1], [0, 1]]), row_len, 1.0)
     with pytest.raises(RuntimeError, match="dtype"):
-        kernels.paged_attention(q.bfloat16(), k, v, k_pool, v_pool, write, torch.tensor([[0, 1], [0, 1]]),
+        kernels.paged_attention(q.bfloat16(), k, v, k_pool, v_pool, 1, write, torch.tensor([[0, 1], [0, 1]]),
                                 row_len, 1.0)

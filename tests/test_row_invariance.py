@@ -44,7 +44,7 @@ class Runner:
 
     def __init__(self, model: TargetModel, context_tokens: int, seed: int = 0) -> None:
         cfg = model.config
-        self.model, self.dtype = model, model.embed_tokens.weight.dtype
+        self.model, self.dtype = model, model.dtype
         num_blocks = (context_tokens + 64) // BLOCK_SIZE + 2
         self.allocator = BlockAllocator(num_blocks)
         self.pool = KVPool(KVLayout("target", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype),

@@ -46,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ar-drafter", type=Path, help="EAGLE-3 drafter (Hugging Face folder, public format)")
     p.add_argument("--dllm-drafter", type=Path, help="DFlash drafter (Hugging Face folder, public format)")
     p.add_argument("--router", type=Path, help="neural router weights (router.safetensors or its folder)")
-    p.add_argument("--backend", default="torch", choices=list(BACKENDS),
-                   help="torch: weights only; onnx: also ONNX graphs run by onnxruntime (needs --dtype fp32 on CPU); "
-                        "tensorrt: ONNX graphs + serialized TensorRT engines (needs tensorrt and a GPU)")
+    p.add_argument("--backend", default=AUTO, choices=list(BACKENDS) + [AUTO],
+                   help="torch: weights only; compiled: also the target step compiled ahead of time over the "
+                        "engine's CPU kernels (bf16, AVX-512 BF16 CPUs); onnx: also ONNX graphs run by onnxruntime "
+                        "(needs --dtype fp32 on CPU); tensorrt: ONNX graphs + serialized TensorRT engines (needs "
+                        "tensorrt and a GPU); auto (default): compiled where this machine can build it, else torch")
     t = p.add_argument_group("Triton model repository")
     t.add_argument("--triton-repo", type=Path, help="write a Triton model repository (models `ensemble` and "
                                                     "`whiflash`) serving the engine; see docs/triton.md")

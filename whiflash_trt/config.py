@@ -194,7 +194,8 @@ EAGLE3, DFLASH = "eagle3", "dflash"   # the drafters: the engine's registry, the
 AR, WHIFLASH = "ar", "whiflash"       # target only; both drafters routed per round
 MODE_DRAFTERS = {AR: (), EAGLE3: (EAGLE3,), DFLASH: (DFLASH,), WHIFLASH: (EAGLE3, DFLASH)}   # mode -> drafters run
 MODES = tuple(MODE_DRAFTERS)
-BACKENDS = ("torch", "onnx", "tensorrt")
+BACKENDS = ("torch", "compiled", "onnx", "tensorrt")
+GRAPH_BACKENDS = ("onnx", "tensorrt")   # the target and drafters run exported graphs (runtime.backends)
 ROUTERS = ("entropy", "neural")
 CATCH_UP = ("lazy", "eager")
 

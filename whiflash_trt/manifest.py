@@ -7,6 +7,7 @@
     ENGINE/router.safetensors neural router weights, listed under "components"
     ENGINE/onnx/*.onnx        --backend onnx|tensorrt: exported graphs, listed with their signatures under "onnx"
     ENGINE/tensorrt/*.plan    --backend tensorrt: serialized TensorRT engines, listed under "tensorrt"
+    ENGINE/compiled/*.pt2     --backend compiled: the target step as an AOTInductor package, listed under "compiled"
     ENGINE/kernels/*.so       bf16 engines on AVX-512 BF16 CPUs: the engine's compiled CPU kernels, listed under
                               "kernels" (whiflash_trt/kernels)
 """
@@ -28,10 +29,11 @@ TOKENIZER_DIR = "tokenizer"
 ONNX_DIR = "onnx"
 TENSORRT_DIR = "tensorrt"
 KERNELS_DIR = "kernels"
+COMPILED_DIR = "compiled"
 ROUTER_WEIGHTS = "router.safetensors"
 # Every name the builder writes at the top of an engine directory (nothing else may be replaced by a rebuild).
 ENGINE_ENTRIES = frozenset({MANIFEST, TARGET_WEIGHTS, TOKENIZER_DIR, "eagle3", "dflash", ROUTER_WEIGHTS, ONNX_DIR,
-                            TENSORRT_DIR, KERNELS_DIR})
+                            TENSORRT_DIR, KERNELS_DIR, COMPILED_DIR})
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,13 @@ class Manifest:
     onnx: dict[str, Any] = field(default_factory=dict)        # graphs of the onnx / tensorrt backends
     tensorrt: dict[str, Any] = field(default_factory=dict)
     kernels: dict[str, Any] = field(default_factory=dict)     # "path", "version" of the kernel library
+    compiled: dict[str, Any] = field(default_factory=dict)    # "target": its package ("path", "capture_layers")
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
-        backends = {k: v for k, v in (("onnx", self.onnx), ("tensorrt", self.tensorrt), ("kernels", self.kernels))
-                    if v}
+        sections = (("onnx", self.onnx), ("tensorrt", self.tensorrt), ("kernels", self.kernels),
+                    ("compiled", self.compiled))
+        backends = {k: v for k, v in sections if v}
         return json.dumps({
             "format_version": self.format_version,
             "architecture": self.model.architecture,
@@ -87,6 +91,7 @@ class Manifest:
                        kv_pools=tuple(d["kv_layout"]["pools"]), source=d["source"],
                        build_options=d["build_options"], components=d.get("components", {}),
                        onnx=d.get("onnx", {}), tensorrt=d.get("tensorrt", {}), kernels=d.get("kernels", {}),
+                       compiled=d.get("compiled", {}),
                        format_version=version)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path} is corrupt or incomplete: {type(e).__name__}: {e}") from None

@@ -15,10 +15,11 @@ from whiflash_trt.builder.sources import load_checkpoint, load_tokenizer, resolv
 from whiflash_trt.builder.tensorrt_build import build_tensorrt_engines
 from whiflash_trt.plugins.tensorrt_plugin import import_tensorrt
 from whiflash_trt.errors import WhiflashError
-from whiflash_trt.config import BACKENDS, DFLASH, EAGLE3, CacheConfig, dtype_name, parse_dtype
+from whiflash_trt.config import (AUTO, BACKENDS, DFLASH, EAGLE3, GRAPH_BACKENDS, CacheConfig, dtype_name,
+                                 parse_dtype)
 from whiflash_trt.builder.output_dir import check_output, install, staging_dir
-from whiflash_trt.manifest import (KERNELS_DIR, ONNX_DIR, ROUTER_WEIGHTS, TARGET_WEIGHTS, TOKENIZER_DIR, Manifest,
-                                   file_sha256)
+from whiflash_trt.manifest import (COMPILED_DIR, KERNELS_DIR, ONNX_DIR, ROUTER_WEIGHTS, TARGET_WEIGHTS,
+                                   TOKENIZER_DIR, Manifest, file_sha256)
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.runtime.kv_cache import kv_layouts
@@ -35,15 +36,19 @@ class BuildOptions:
     ar_drafter: Path | None = None     # EAGLE-3 checkpoint folder (public format)
     dllm_drafter: Path | None = None   # DFlash checkpoint folder (public format)
     router: Path | None = None         # neural router weights (safetensors)
-    backend: str = "torch"             # torch | onnx (graphs for onnxruntime) | tensorrt (graphs + TensorRT engines)
+    # torch | compiled (the target step compiled ahead of time over the engine's kernels; bf16) | onnx (graphs for
+    # onnxruntime) | tensorrt (graphs + TensorRT engines) | auto (compiled where this machine can build it, else torch)
+    backend: str = "torch"
     bundled: bool = True               # named target: use the drafters/router the package ships for it
     overwrite: bool = False            # replace an existing engine at `output` (never anything else)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         CacheConfig(block_size=self.block_size)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
+        if self.backend not in BACKENDS + (AUTO,):
+            raise ValueError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS + (AUTO,))}")
+        if self.backend == "compiled" and self.dtype != "bf16":
+            raise ValueError("--backend compiled needs --dtype bf16 (its GEMM kernel is bf16)")
         if self.backend == "onnx" and self.dtype == "bf16":
             raise ValueError("--backend onnx needs --dtype fp32 (onnxruntime's CPU provider has no bfloat16 "
                              "MatMul/Gemm kernels) or fp16 (GPU providers)")
@@ -103,18 +108,42 @@ def export_graphs(ckpt: Checkpoint, drafters: dict, dtype: torch.dtype, engine_d
     return section
 
 
-def add_kernels(engine_dir: Path) -> dict:
-    """The manifest's kernels section: the compiled CPU kernels copied into the engine, or {} (and why, on stderr)
-    where this machine cannot build them; the engine then runs its linears on oneDNN."""
+def add_kernels(engine_dir: Path, required: bool) -> dict:
+    """The manifest's kernels section: the compiled CPU kernels copied into the engine, or, where this machine cannot
+    build them, an error if `required`, else {} (and why, on stderr): the engine then runs on torch and oneDNN."""
     try:
         library = kernels.compile_library(kernels.DEFAULT_CACHE)
     except kernels.KernelBuildError as e:
+        if required:
+            raise WhiflashError(f"--backend compiled runs on the engine's CPU kernels, which cannot be built here: "
+                                f"{e}; build with --backend torch") from None
         kernels.report_unavailable(str(e))
         return {}
     (engine_dir / KERNELS_DIR).mkdir()
     shutil.copyfile(library, engine_dir / KERNELS_DIR / kernels.LIBRARY)
     return {"path": f"{KERNELS_DIR}/{kernels.LIBRARY}", "version": kernels.version(),
             "ops": ["whiflash::linear_bf16"]}
+
+
+def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engine_dir: Path,
+                        show_progress: bool) -> dict:
+    """The manifest's compiled section: the target step compiled ahead of time (~1 minute on 2 cores)."""
+    from whiflash_trt.builder.compile_target import compile_target
+
+    kernels.load(engine_dir / KERNELS_DIR / kernels.LIBRARY)
+    if show_progress:
+        print("compiling the target step (torch.export + AOTInductor)", flush=True)
+    (engine_dir / COMPILED_DIR).mkdir()
+    target = instantiate_target(ckpt, torch.bfloat16)
+    entry = compile_target(target, capture_layers, engine_dir / COMPILED_DIR / "target.pt2")
+    return {"target": entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}}
+
+
+def resolve_backend(opts: BuildOptions) -> str:
+    """auto: compiled for bf16 where the CPU runs the kernels, else torch."""
+    if opts.backend != AUTO:
+        return opts.backend
+    return "compiled" if opts.dtype == "bf16" and kernels.cpu_supported() else "torch"
 
 
 def with_bundled(opts: BuildOptions) -> BuildOptions:
@@ -144,7 +173,8 @@ def build_engine(opts: BuildOptions) -> Path:
     out = check_output(opts.output, opts.overwrite)
     opts = with_bundled(opts)
     _check_inputs(opts)
-    if opts.backend == "tensorrt":
+    backend = resolve_backend(opts)
+    if backend == "tensorrt":
         import_tensorrt()   # fail at once, before any work, where TensorRT is not installed
     source = resolve_target(opts.target)
     start = time.perf_counter()
@@ -163,25 +193,31 @@ def build_engine(opts: BuildOptions) -> Path:
         components, drafters = add_components(opts, cfg, tmp)
         layouts = kv_layouts({"target": cfg, **{name: m.config for name, m in drafters.items()}}, dtype)
         graphs = {}
-        if opts.backend != "torch":
+        if backend in GRAPH_BACKENDS:
             graphs["onnx"] = export_graphs(Checkpoint(cfg, state, ckpt.source), drafters, dtype, tmp,
                                            opts.show_progress)
-        if opts.backend == "torch" and dtype == torch.bfloat16:
-            graphs["kernels"] = add_kernels(tmp)
-        if opts.backend == "tensorrt":
+        capture_layers = tuple(sorted({i for c in components.values() for i in c.get("capture_layers", ())}))
+        if backend in ("torch", "compiled") and dtype == torch.bfloat16:
+            graphs["kernels"] = add_kernels(tmp, required=backend == "compiled")
+        if backend == "compiled" and not graphs["kernels"]:   # auto, where the kernels did not build
+            backend = "torch"
+        if backend == "compiled":
+            graphs["compiled"] = add_compiled_target(Checkpoint(cfg, state, ckpt.source), capture_layers, tmp,
+                                                     opts.show_progress)
+        if backend == "tensorrt":
             graphs["tensorrt"] = build_tensorrt_engines(tmp, graphs["onnx"], cfg.max_position_embeddings,
                                                         opts.block_size, opts.show_progress)
         Manifest(
             model=cfg,
             dtype=dtype_name(dtype),
-            capture_layers=tuple(sorted({i for c in components.values() for i in c.get("capture_layers", ())})),
+            capture_layers=capture_layers,
             block_size=opts.block_size,
             kv_pools=tuple(layout.to_dict() for layout in layouts),
             components=components,
             source={"kind": source.kind, "requested": source.requested, "path": str(source.path),
                     "sha256": file_sha256(source.files)},
             **graphs,
-            build_options={"dtype": opts.dtype, "block_size": opts.block_size, "backend": opts.backend,
+            build_options={"dtype": opts.dtype, "block_size": opts.block_size, "backend": backend,
                            "ar_drafter": str(opts.ar_drafter) if opts.ar_drafter else None,
                            "dllm_drafter": str(opts.dllm_drafter) if opts.dllm_drafter else None,
                            "router": str(opts.router) if opts.router else None,

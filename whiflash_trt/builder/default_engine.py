@@ -9,6 +9,7 @@ from whiflash_trt import kernels
 from whiflash_trt.builder.build import BuildOptions, build_engine
 from whiflash_trt.builder.bundled import bundled_for
 from whiflash_trt.builder.sources import DEFAULT_TARGET
+from whiflash_trt.config import AUTO
 from whiflash_trt.manifest import MANIFEST
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
@@ -20,5 +21,5 @@ def default_engine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
         f"-{kernels.version()}"
     if not (engine_dir / MANIFEST).is_file():
         print(f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)", file=sys.stderr)
-        build_engine(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16"))
+        build_engine(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16", backend=AUTO))
     return engine_dir

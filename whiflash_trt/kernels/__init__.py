@@ -7,7 +7,8 @@ Both give every row the same bits whatever else the call holds (what lossless ve
     path = compile_library(DEFAULT_CACHE)  # once per source version; whiflash-build copies it into the engine
     load(path)                             # registers torch.ops.whiflash.linear_bf16 in this process
     if registered(): packed = pack_weight(w); y = linear(x, packed, bias, w.shape[0])
-                     out = paged_attention(q, k, v, k_pool, v_pool, write_slots, row_slots, row_len, scale)
+                     out = paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len,
+                                           scale)
 
 TargetModel.fuse_projections hands bf16 weights and the attention to them once they are loaded. Where the CPU lacks AVX-512 BF16 or no C++
 compiler is found, nothing is loaded and the linears keep oneDNN (models/layers.py FrozenLinear).
@@ -83,7 +84,17 @@ def load(library: Path) -> bool:
         return False
     if not registered():
         torch.ops.load_library(str(library))
+        _register_shapes()
     return True
+
+
+def _register_shapes() -> None:
+    """Output shapes without running the kernels: torch.export traces through them (builder/compile_target.py)."""
+    torch.library.register_fake("whiflash::linear_bf16")(
+        lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features))
+    torch.library.register_fake("whiflash::paged_attention")(
+        lambda q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len, scale:
+        q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def ensure_loaded(cache_dir: Path = DEFAULT_CACHE) -> bool:
@@ -117,12 +128,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     return torch.ops.whiflash.linear_bf16(x, packed, bias, out_features)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    write_slots: torch.Tensor, row_slots: torch.Tensor, row_len: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    layer: int, write_slots: torch.Tensor, row_slots: torch.Tensor, row_len: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """Writes k, v [T, kv_heads, D] at write_slots [T] of one layer's pools [slots, kv_heads, D], then attends q
-    [T, heads, D] row t to the pool slots row_slots[t, :row_len[t]] (int64, logical order) -> [T, heads * D]."""
-    return torch.ops.whiflash.paged_attention(q, k, v, k_pool, v_pool, write_slots, row_slots, row_len, scale)
+    """Writes k, v [T, kv_heads, D] at write_slots [T] of layer `layer` of the pools [layers, slots, kv_heads, D],
+    then attends q [T, heads, D] row t to the slots row_slots[t, :row_len[t]] (int64, logical order) of that layer
+    -> [T, heads * D]."""
+    return torch.ops.whiflash.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len,
+                                              scale)
 
 
 def report_unavailable(reason: str) -> None:

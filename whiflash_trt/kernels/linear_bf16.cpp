@@ -23,7 +23,7 @@
 namespace {
 
 constexpr int64_t kBlock = 64;  // outputs per packed block: four zmm of fp32 accumulators
-constexpr int kPrefetchBytes = 2048;  // software prefetch distance along a block
+constexpr int kPrefetchBytes = 8192;  // software prefetch (to L2) distance along a block
 constexpr int kTileRows = 4;    // rows of x per pass over a block: 16 accumulators + 8 weights + 8 x in 32 zmm
 
 template <int Rows>
@@ -36,7 +36,7 @@ void block_rows(const uint16_t* x, int64_t ldx, const int32_t* w, int64_t pairs,
   for (int64_t k = 0; k < pairs; ++k) {
     const int32_t* wk = w + k * kBlock;
     for (int j = 0; j < 4; ++j)  // +5-10% over the hardware prefetcher alone (measured, 2 threads)
-      _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + kPrefetchBytes, _MM_HINT_T1);
     __m512 even[4], odd[4];  // W[n, 2k] and W[n, 2k + 1] as fp32 (a bf16 is the top half of its fp32)
     for (int j = 0; j < 4; ++j) {
       __m512i pair = _mm512_loadu_si512(wk + 16 * j);

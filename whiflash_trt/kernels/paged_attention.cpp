@@ -1,5 +1,6 @@
-// whiflash::paged_attention: writes the new tokens' K/V into one layer's paged pool, then attends every query row to
-// its visible keys, given per row as pool slots in logical order.
+// whiflash::paged_attention: writes the new tokens' K/V into layer `layer` of the paged pools, then attends every
+// query row to its visible keys, given per row as pool slots in logical order. The op mutates the whole pools (not a
+// view of one layer) so that torch.export sees plain in-place writes to graph inputs.
 //
 // Row invariance by construction: one (row, head) is computed by one thread, in a fixed order that depends only on
 // its query and its keys: scores q.k (16 fp32 lanes over head_dim, then a fixed lane reduction) in key order, the max,
@@ -86,16 +87,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
-                           at::Tensor v_pool, const at::Tensor& write_slots, const at::Tensor& row_slots,
-                           const at::Tensor& row_len, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k_pool.dim() == 3, "paged_attention: q [T, heads, D], k and v "
-              "[T, kv_heads, D], pools [slots, kv_heads, D]");
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                           at::Tensor v_cache, int64_t layer, const at::Tensor& write_slots,
+                           const at::Tensor& row_slots, const at::Tensor& row_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k_cache.dim() == 4, "paged_attention: q [T, heads, D], k and v "
+              "[T, kv_heads, D], pools [layers, slots, kv_heads, D]");
+  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "paged_attention: layer out of range");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "paged_attention: the pools must be contiguous and of one shape");
+  at::Tensor k_pool = k_cache.select(0, layer), v_pool = v_cache.select(0, layer);
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k.scalar_type() == k_pool.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "paged_attention: q, k, v and the pools must share one dtype, fp32 or bf16");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
-              "paged_attention: the pools must be contiguous and of one shape");
   TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0, "paged_attention: head shapes differ");
   TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == q.size(0) && row_len.numel() == q.size(0) &&
                   row_slots.scalar_type() == at::kLong && row_len.scalar_type() == at::kLong,
@@ -123,8 +126,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(whiflash, m) {
-  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, "
-        "Tensor row_slots, Tensor row_len, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
+        "Tensor write_slots, Tensor row_slots, Tensor row_len, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(whiflash, CPU, m) {

@@ -52,11 +52,12 @@ class KeyLayout:
     blocks: list[RowBlock]
     group: int  # query heads per KV head
 
-    def attend(self, q, k, v, k_pool, v_pool, write_slots, scale: float) -> torch.Tensor:
-        """Writes k, v [T, kv, D] at write_slots of one layer's pools, then q [T, heads, D] -> [T, heads * D]."""
-        k_pool.index_copy_(0, write_slots, k)
-        v_pool.index_copy_(0, write_slots, v)
-        return row_invariant_attention(q, k_pool, v_pool, self, scale)
+    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float) -> torch.Tensor:
+        """Writes k, v [T, kv, D] at write_slots of layer `layer` of the pools [L, slots, kv, D], then q [T, heads, D]
+        -> [T, heads * D]."""
+        k_cache[layer].index_copy_(0, write_slots, k)
+        v_cache[layer].index_copy_(0, write_slots, v)
+        return row_invariant_attention(q, k_cache[layer], v_cache[layer], self, scale)
 
 
 @dataclass
@@ -66,8 +67,9 @@ class RowKeys:
     slots: torch.Tensor    # [T, W] int64; row t reads slots[t, :lengths[t]]
     lengths: torch.Tensor  # [T] int64
 
-    def attend(self, q, k, v, k_pool, v_pool, write_slots, scale: float) -> torch.Tensor:
-        return kernels.paged_attention(q, k, v, k_pool, v_pool, write_slots, self.slots, self.lengths, scale)
+    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float) -> torch.Tensor:
+        return kernels.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, self.slots, self.lengths,
+                                       scale)
 
 
 def attention_keys(segments: list[Segment], group: int, use_kernel: bool) -> KeyLayout | RowKeys:

@@ -104,7 +104,7 @@ class Eagle3Drafter(nn.Module, Eagle3):
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         # torch attention: the drafter also trains through this forward (the kernel has no backward)
         keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, use_kernel=False)
-        h = hidden + layer.self_attn(x, cos, sin, k_cache[0], v_cache[0], write_slots, keys)
+        h = hidden + layer.self_attn(x, cos, sin, k_cache, v_cache, 0, write_slots, keys)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:

@@ -68,9 +68,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, keys: KeyLayout | RowKeys):
+    def forward(self, x, cos, sin, k_cache, v_cache, layer: int, write_slots, keys: KeyLayout | RowKeys):
+        """k_cache, v_cache: every layer's pools [L, slots, kv, D]; this one writes and reads layer `layer`."""
         q, k, v = self.project(x, cos, sin)
-        out = keys.attend(q, k, v, k_pool, v_pool, write_slots, self.scale)
+        out = keys.attend(q, k, v, k_cache, v_cache, layer, write_slots, self.scale)
         return self.o(out) if self.qkv is not None else row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
@@ -82,8 +83,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_pool, v_pool, write_slots, keys: KeyLayout | RowKeys):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, write_slots, keys)
+    def forward(self, x, cos, sin, k_cache, v_cache, layer: int, write_slots, keys: KeyLayout | RowKeys):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, layer, write_slots, keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,12 +147,18 @@ class TargetModel(nn.Module, Target):
         """Each row's result depends only on its token, position and visible keys, never on the other rows of the
         call: a verify row equals, bit for bit, the same position fed alone, and a sequence's rows in a batch equal
         its rows in a call of its own (see models/attention.py)."""
+        keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, self.kernel_attention)
+        return self.forward_keys(input_ids, positions, k_cache, v_cache, write_slots, keys, capture_layers,
+                                 logits_indices)
+
+    def forward_keys(self, input_ids, positions, k_cache, v_cache, write_slots, keys: KeyLayout | RowKeys,
+                     capture_layers: tuple[int, ...] = (), logits_indices=None) -> TargetOutput:
+        """forward_segments with the keys already laid out: the graph runtime.backends.compiled exports."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, self.kernel_attention)
         captured = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, keys)
+            x = layer(x, cos, sin, k_cache, v_cache, i, write_slots, keys)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x))
         rows = x if logits_indices is None else x.index_select(0, logits_indices)

@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from whiflash_trt import kernels
-from whiflash_trt.config import DFLASH, EAGLE3, parse_dtype
+from whiflash_trt.config import DFLASH, EAGLE3, GRAPH_BACKENDS, parse_dtype
 from whiflash_trt.errors import CheckpointError, WhiflashError
 from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
@@ -57,6 +57,22 @@ def load_engine_kernels(engine_dir: Path, manifest: Manifest) -> None:
         kernels.report_unavailable(f"cannot load {entry['path']}: {e}")
 
 
+def compiled_target(engine_dir: Path, manifest: Manifest, target, dtype: torch.dtype, device: str):
+    from whiflash_trt.runtime.backends.compiled import CompiledTarget
+
+    entry = manifest.compiled.get("target")
+    if entry is None:
+        raise WhiflashError(f"engine {engine_dir} has no compiled target; rebuild it with "
+                            f"`whiflash-build --backend compiled ...` or run it with --backend torch")
+    if device != "cpu" or dtype != parse_dtype(manifest.dtype):
+        raise WhiflashError(f"the compiled target runs on CPU in {manifest.dtype}; use --backend torch for "
+                            f"{device} or another dtype")
+    if not target.kernel_attention:
+        raise WhiflashError(f"the compiled target needs the engine's kernels, which do not run here (see above); "
+                            f"run the engine with --backend torch")
+    return CompiledTarget(target, engine_dir / entry["path"], tuple(entry["capture_layers"]))
+
+
 def checkpoint_parts(target: Target, tokenizer, device: str = "cpu", eagle3: Path | None = None,
                      dflash: Path | None = None, router: Path | None = None,
                      manifest: Manifest | None = None) -> EngineParts:
@@ -75,7 +91,7 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
     backend = backend or engine_backend(manifest)
     parts = manifest.components
     paths = {name: engine_dir / parts[name]["path"] if name in parts else None for name in (EAGLE3, DFLASH, "router")}
-    if backend != "torch":
+    if backend in GRAPH_BACKENDS:
         if dtype is not None and dtype != manifest.dtype:
             raise WhiflashError(f"the {backend} graphs were built in {manifest.dtype}; rebuild for {dtype}")
         target, eagle3, dflash = load_graph_models(engine_dir, manifest, backend, device)
@@ -94,5 +110,7 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
     if device == "cpu" and torch_dtype == torch.bfloat16:
         load_engine_kernels(engine_dir, manifest)
     target = instantiate_target(Checkpoint(manifest.model, state, str(weights)), torch_dtype, device)
+    if backend == "compiled":
+        target = compiled_target(engine_dir, manifest, target, torch_dtype, device)
     return checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],
                             paths["router"], manifest)

@@ -1,11 +1,12 @@
-"""Execution backends: "torch" (the modules themselves), "onnx" (onnxruntime sessions over the exported graphs),
-"tensorrt" (serialized TensorRT engines built from those graphs). The graph models implement the torch modules'
-contracts (models.contracts), so the round loop and the proposers are the same for all three."""
+"""Execution backends: "torch" (the modules themselves), "compiled" (the target step as an AOTInductor package over
+the engine's kernels, compiled.py), "onnx" (onnxruntime sessions over the exported graphs), "tensorrt" (serialized
+TensorRT engines built from those graphs). Each implements the torch modules' contracts (models.contracts), so the
+round loop and the proposers are the same for all."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from whiflash_trt.config import BACKENDS, parse_dtype
+from whiflash_trt.config import GRAPH_BACKENDS, parse_dtype
 from whiflash_trt.errors import CheckpointError, WhiflashError
 from whiflash_trt.manifest import Manifest
 
@@ -27,8 +28,8 @@ def load_graph_models(engine_dir: Path, manifest: Manifest, backend: str, device
     from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
     from whiflash_trt.runtime.backends.graph_models import GraphDFlash, GraphEagle3, GraphTarget
 
-    if backend not in BACKENDS[1:]:
-        raise ValueError(f"unknown graph backend {backend!r}; expected one of {', '.join(BACKENDS[1:])}")
+    if backend not in GRAPH_BACKENDS:
+        raise ValueError(f"unknown graph backend {backend!r}; expected one of {', '.join(GRAPH_BACKENDS)}")
     section = _graph_section(manifest, backend, engine_dir)
     if backend == "onnx" and str(device) != "cpu":
         raise WhiflashError(f"the onnx backend runs onnxruntime's CPU provider; use --device cpu, not {device}")

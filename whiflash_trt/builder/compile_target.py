@@ -1,0 +1,65 @@
+"""`whiflash-build --backend compiled`: the target's forward exported with torch.export and compiled ahead of time by
+AOTInductor into one package the runtime loads without recompiling (runtime/backends/compiled.py).
+
+The graph is the eager forward (TargetModel.forward_keys) over the engine's kernels: the GEMMs and the paged attention
+stay custom ops (whiflash_trt/kernels), which the KV pools are written through; inductor fuses everything between
+them (norms, RoPE, SwiGLU, residuals) and drops the per-op dispatch of eager mode. emulate_precision_casts keeps
+eager's bf16 roundings, so the compiled step gives the eager step's bits (tests/test_compiled.py). One graph serves
+every call: the new rows T, the keys per row W, the logit rows and the pool slots are dynamic.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from whiflash_trt.models.attention import RowKeys
+from whiflash_trt.models.target import TargetModel
+
+# inductor settings of the package: bf16 roundings as eager mode does them; weights stay inputs of the kernels
+# (they are prepacked already), so freezing has nothing to fold.
+INDUCTOR_CONFIGS = {"emulate_precision_casts": True, "freezing": False, "cpp.threads": 1}
+
+
+class TargetStep(nn.Module):
+    """The exported signature: tensors only, the captured layers fixed."""
+
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.target, self.capture_layers = target, capture_layers
+
+    def forward(self, input_ids, positions, k_cache, v_cache, write_slots, row_slots, row_len, logits_indices):
+        out = self.target.forward_keys(input_ids, positions, k_cache, v_cache, write_slots,
+                                       RowKeys(row_slots, row_len), self.capture_layers, logits_indices)
+        return (out.logits, out.hidden) + ((out.captured,) if self.capture_layers else ())
+
+
+def example_inputs(target: TargetModel, rows: int = 4, keys: int = 80, slots: int = 128):
+    """A 4-token chain over 80 keys. Only shapes and dtypes matter, but every input is a tensor of its own: the
+    export would take one tensor passed twice (positions as write slots) for one input of the graph."""
+    cfg = target.config
+    pool = torch.zeros(cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim, dtype=target.dtype)
+    positions = torch.arange(keys - rows, keys)
+    return (torch.zeros(rows, dtype=torch.long), positions, pool, pool.clone(), positions + 8,
+            (torch.arange(keys) + 8).repeat(rows, 1), positions + 1, torch.arange(rows))
+
+
+def compile_target(target: TargetModel, capture_layers: tuple[int, ...], path: Path) -> dict:
+    """Export and compile the target step into the package `path` -> the manifest entry. The target must be fused
+    over the loaded kernels (instantiate_target after kernels.load)."""
+    if not target.kernel_attention:
+        raise ValueError("the compiled target runs on the engine's kernels: load them before instantiating it")
+    start = time.perf_counter()
+    max_pos = target.config.max_position_embeddings
+    rows, keys = torch.export.Dim("rows", min=1, max=max_pos), torch.export.Dim("keys", min=1, max=max_pos)
+    logit_rows, slots = torch.export.Dim("logit_rows", min=1, max=max_pos), torch.export.Dim("slots", min=2)
+    pool = {1: slots}
+    shapes = ({0: rows}, {0: rows}, pool, pool, {0: rows}, {0: rows, 1: keys}, {0: rows}, {0: logit_rows})
+    with torch.no_grad():
+        program = torch.export.export(TargetStep(target, capture_layers), example_inputs(target),
+                                      dynamic_shapes=shapes)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+    return {"path": path.name, "capture_layers": list(capture_layers),
+            "compile_seconds": round(time.perf_counter() - start, 1)}

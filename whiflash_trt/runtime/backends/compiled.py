@@ -1,0 +1,52 @@
+"""The "compiled" backend: the target step runs the AOTInductor package whiflash-build made
+(builder/compile_target.py); embeddings, the LM head of drafted rows and the drafters stay the torch modules. The
+package gives the eager step's bits, so the two mix freely (a capture the package lacks runs eagerly)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from whiflash_trt.models.attention import row_keys
+from whiflash_trt.models.contracts import Segment, Target, TargetOutput, feature_columns
+from whiflash_trt.models.target import TargetModel
+
+
+class CompiledTarget(Target):
+    def __init__(self, eager: TargetModel, package: Path, capture_layers: tuple[int, ...]) -> None:
+        self.eager, self.capture_layers = eager, capture_layers
+        self.config = eager.config
+        self.step = torch._inductor.aoti_load_package(str(package))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.eager.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.eager.embed(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eager.logits(hidden)
+
+    def __call__(self, input_ids, positions, k_cache, v_cache, write_slots, read_slots, attn_mask,
+                 capture_layers=(), logits_indices=None) -> TargetOutput:
+        return self.forward_segments(input_ids, positions, k_cache, v_cache, write_slots,
+                                     [Segment(read_slots, attn_mask)], capture_layers, logits_indices)
+
+    def forward_segments(self, input_ids, positions, k_cache, v_cache, write_slots, segments: list[Segment],
+                         capture_layers: tuple[int, ...] = (), logits_indices=None) -> TargetOutput:
+        if any(i not in self.capture_layers for i in capture_layers):
+            return self.eager.forward_segments(input_ids, positions, k_cache, v_cache, write_slots, segments,
+                                               capture_layers, logits_indices)
+        keys = row_keys(segments)
+        rows = torch.arange(input_ids.shape[0]) if logits_indices is None else logits_indices
+        # the package reads its inputs as the contiguous tensors it was traced with (it does not check strides)
+        inputs = (input_ids, positions, k_cache, v_cache, write_slots, keys.slots, keys.lengths, rows)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the compiled target writes the KV pools in place: they must be contiguous")
+        logits, hidden, *captured = self.step(*(t.contiguous() for t in inputs))
+        feats = None
+        if capture_layers:
+            feats = captured[0] if tuple(capture_layers) == self.capture_layers else captured[0][
+                :, feature_columns(tuple(capture_layers), self.capture_layers, self.config.hidden_size)]
+        return TargetOutput(logits, hidden, feats)
