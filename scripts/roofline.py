@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -14,6 +15,7 @@ from whiflash_trt.bench.environment import cpu_model, default_engine_dir
 from whiflash_trt.bench.roofline import measure_stream_rates, roofline
 from whiflash_trt.config import parse_dtype
 from whiflash_trt.manifest import Manifest
+from whiflash_trt.runtime.loading import load_engine_kernels
 
 
 def main() -> None:
@@ -24,7 +26,9 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    manifest = Manifest.read(args.engine or default_engine_dir())
+    engine_dir = args.engine or default_engine_dir()
+    manifest = Manifest.read(engine_dir)
+    load_engine_kernels(Path(engine_dir), manifest)   # its bf16 GEMM is one of the kernels measured
     cfg = manifest.model
     rates = measure_stream_rates(cfg.hidden_size, cfg.intermediate_size)
     result = roofline(cfg, parse_dtype(manifest.dtype), args.context, rates)

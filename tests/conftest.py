@@ -84,6 +84,25 @@ def spec_engine(spec_engine_dir):
 
 
 @pytest.fixture(scope="session")
+def compiled_spec_engine_dir(tmp_path_factory, tiny_checkpoint, tiny_drafters) -> Path:
+    """spec_engine_dir's target and drafters as a bf16 engine of the compiled backend (the export: ~20 s)."""
+    from whiflash_trt.builder.build import BuildOptions, build_engine
+
+    if not kernels.registered():
+        pytest.skip("the compiled backend needs the engine's kernels (AVX-512 BF16 and a C++ compiler)")
+    return build_engine(BuildOptions(target=str(tiny_checkpoint("spec")), dtype="bf16", backend="compiled",
+                                     output=tmp_path_factory.mktemp("compiled") / "engine", show_progress=False,
+                                     **tiny_drafters("spec")))
+
+
+@pytest.fixture(scope="session")
+def compiled_spec_engine(compiled_spec_engine_dir):
+    from whiflash_trt.runtime.engine import Engine
+
+    return Engine.load(compiled_spec_engine_dir)
+
+
+@pytest.fixture(scope="session")
 def onnx_engine_dirs(tiny_engine) -> tuple[Path, Path]:
     """(torch engine, onnx engine) of the "onnx" target with both drafters and a router (the export: ~1 min)."""
     return tiny_engine("onnx", drafters=True), tiny_engine("onnx", drafters=True, backend="onnx")

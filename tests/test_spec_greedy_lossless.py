@@ -31,9 +31,16 @@ def _prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
+@pytest.fixture(params=["torch-fp32", "compiled-bf16"])
+def engine(request):
+    """The spec engine (fp32, torch modules) and its bf16 build on the compiled backend."""
+    return request.getfixturevalue("spec_engine" if request.param == "torch-fp32" else "compiled_spec_engine")
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.router}-{s.threshold}-{s.catch_up}-k{s.tree.top_k}"
                                               f"-dd{s.dflash_tree.total_tokens}.{s.dflash_tree.top_k}")
-def test_every_mode_equals_target_only_greedy(spec_engine, spec):
+def test_every_mode_equals_target_only_greedy(engine, spec):
+    spec_engine = engine
     vocab = spec_engine.target.config.vocab_size
     for i, prompt in enumerate(_prompts(5, seed=len(SPECS) + spec.tree.top_k, vocab=vocab)):
         gen = GenerationConfig(max_new_tokens=3 + 11 * i)

@@ -1,6 +1,7 @@
 """The memory roofline of decoding: one target step streams every weight once plus the KV cache it attends to, so no
 step can be faster than those bytes over the rate this machine streams memory at. Measured, not looked up: the rate
-of a plain read and of the best matrix-vector kernel torch has here, each over weights far larger than the caches."""
+of a plain read and of the best matrix-vector kernel torch (or the engine, whiflash_trt.kernels) has here, each over
+weights far larger than the caches."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig
 
 BUFFER_BYTES = 256 * 2**20   # streamed per timed pass: far past any last-level cache
@@ -34,16 +36,19 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def _gemv_rate(dtype: torch.dtype, hidden: int, rows: int, repeats: int) -> float:
-    """y = W x for a stack of [rows, hidden] weights that together hold BUFFER_BYTES."""
+def _gemv_rate(dtype: torch.dtype, hidden: int, rows: int, repeats: int, engine_kernel: bool = False) -> float:
+    """y = W x for a stack of [rows, hidden] weights that together hold BUFFER_BYTES: F.linear, or the engine's bf16
+    kernel (whiflash_trt.kernels) over the same weights packed."""
     elem = torch.empty((), dtype=dtype).element_size()
     count = max(1, BUFFER_BYTES // (rows * hidden * elem))
     weights = [torch.randn(rows, hidden).to(dtype) for _ in range(count)]
     x = torch.randn(1, hidden).to(dtype)
+    if engine_kernel:
+        weights = [kernels.pack_weight(w) for w in weights]
 
     def run() -> None:
         for w in weights:
-            F.linear(x, w)
+            kernels.linear(x, w, None, rows) if engine_kernel else F.linear(x, w)
     return count * rows * hidden * elem / _best_seconds(run, repeats) / 1e9
 
 
@@ -53,10 +58,12 @@ def measure_stream_rates(hidden: int = 576, rows: int = 1536, repeats: int = 5) 
     flat = torch.ones(BUFFER_BYTES // 4)
     plain = BUFFER_BYTES / _best_seconds(lambda: flat.sum(), repeats) / 1e9
     del flat
-    kernels = {f"linear {name}": _gemv_rate(dtype, hidden, rows, repeats)
-               for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
-    best = max(kernels, key=kernels.get)
-    return StreamRates(round(plain, 2), round(kernels[best], 2), best, {k: round(v, 2) for k, v in kernels.items()},
+    rates = {f"linear {name}": _gemv_rate(dtype, hidden, rows, repeats)
+             for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+    if kernels.registered():
+        rates["whiflash linear_bf16"] = _gemv_rate(torch.bfloat16, hidden, rows, repeats, engine_kernel=True)
+    best = max(rates, key=rates.get)
+    return StreamRates(round(plain, 2), round(rates[best], 2), best, {k: round(v, 2) for k, v in rates.items()},
                        torch.get_num_threads())
 
 

@@ -1,0 +1,75 @@
+"""The compiled backend (builder/compile_target.py, runtime/backends/compiled.py): the AOTInductor package of the
+target step gives rows that do not depend on the rest of the call, and the tokens of the eager engine."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_row_invariance import TREE_PARENTS, Runner, assert_rows_invariant, path_to
+
+from whiflash_trt.builder.build import BuildOptions
+from whiflash_trt.config import GenerationConfig, SpecConfig
+from whiflash_trt.errors import WhiflashError
+from whiflash_trt.manifest import MANIFEST
+from whiflash_trt.models.contracts import Segment
+from whiflash_trt.runtime.backends.compiled import CompiledTarget
+from whiflash_trt.runtime.engine import Engine
+
+
+def test_the_build_writes_the_package_and_kernels_and_loads_them(compiled_spec_engine_dir, compiled_spec_engine):
+    manifest = json.loads((compiled_spec_engine_dir / MANIFEST).read_text())
+    assert manifest["build_options"]["backend"] == "compiled"
+    assert (compiled_spec_engine_dir / manifest["compiled"]["target"]["path"]).is_file()
+    assert (compiled_spec_engine_dir / manifest["kernels"]["path"]).is_file()
+    assert isinstance(compiled_spec_engine.target, CompiledTarget)
+    assert manifest["compiled"]["target"]["capture_layers"] == manifest["capture_layers"]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("context_tokens", (1, 63, 200))
+def test_compiled_verify_rows_equal_one_token_steps(compiled_spec_engine, context_tokens, num_threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        target = compiled_spec_engine.target
+        assert_rows_invariant(target, context_tokens, chain_len=12)
+        run = Runner(target, context_tokens, seed=1)
+        tokens = run.tokens(len(TREE_PARENTS))
+        got = run.verify(tokens, TREE_PARENTS)
+        for node in range(len(TREE_PARENTS)):
+            assert torch.equal(got[node], run.one_by_one([tokens[j] for j in path_to(TREE_PARENTS, node)])[-1])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_compiled_tokens_equal_the_eager_engine(compiled_spec_engine_dir, compiled_spec_engine):
+    eager = Engine.load(compiled_spec_engine_dir, backend="torch")
+    gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for prompt in ([5, 9, 2], list(range(3, 60)), [7] * 130):
+        want = eager.generate(prompt, gen).token_ids
+        assert compiled_spec_engine.generate(prompt, gen).token_ids == want
+        assert compiled_spec_engine.generate(prompt, gen, spec=SpecConfig(mode="whiflash")).token_ids == want
+
+
+def test_a_capture_the_package_lacks_runs_eagerly(compiled_spec_engine):
+    target = compiled_spec_engine.target
+    cfg = target.config
+    pools = [torch.zeros(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, dtype=target.dtype) for _ in range(4)]
+    ids, positions = torch.tensor([3, 4, 5]), torch.arange(3)
+    segment = [Segment(torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril())]
+    other = tuple(i for i in range(cfg.num_layers) if i not in target.capture_layers)[:1] + target.capture_layers[:1]
+    got = target.forward_segments(ids, positions, pools[0], pools[1], torch.arange(3), segment, other)
+    want = target.eager.forward_segments(ids, positions, pools[2], pools[3], torch.arange(3), segment, other)
+    assert torch.equal(got.captured, want.captured) and torch.equal(got.logits, want.logits)
+    sub = target.forward_segments(ids, positions, pools[0], pools[1], torch.arange(3), segment,
+                                  target.capture_layers[1:])
+    assert sub.captured.shape[1] == cfg.hidden_size * (len(target.capture_layers) - 1)
+
+
+def test_compiled_needs_bf16_and_a_package(spec_engine_dir):
+    with pytest.raises(ValueError, match="bf16"):
+        BuildOptions(target="x", output=spec_engine_dir.parent / "never", dtype="fp32", backend="compiled")
+    with pytest.raises(WhiflashError, match="no compiled target"):
+        Engine.load(spec_engine_dir, backend="compiled")
