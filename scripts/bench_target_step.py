@@ -1,7 +1,8 @@
 """Micro-benchmark: one target step (q new tokens on a cached context) of our forward vs transformers', A/B
-interleaved in rounds on the same weights, for bf16 and fp32 and q = 1, 2, 8, 16.
+interleaved in rounds on the same weights, for bf16 and fp32 and q = 1, 2, 8, 16. bf16 times the engine's target as
+it runs (the default engine: the compiled backend where it was built); fp32 the torch modules.
 
-    python scripts/bench_target_step.py [--context 256] [--rounds 7] [--iters 10] [--threads N]
+    python scripts/bench_target_step.py [--engine DIR] [--context 256] [--rounds 7] [--iters 10] [--threads N]
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def compare(runner, hf, seq, prompt: list[int], dtype: torch.dtype, args) -> Non
 
 
 def main() -> None:
+    from whiflash_trt.bench.environment import default_engine_dir
     from whiflash_trt.builder.sources import load_checkpoint, resolve_target
     from whiflash_trt.config import CacheConfig
     from whiflash_trt.models.checkpoints import instantiate_target
@@ -79,6 +81,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--engine", help="bf16 engine of smollm2-135m to time (default: the embedded one)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,7 +91,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, context {args.context}")
     print("dtype  q   ours ms  hf ms   hf/ours   ours(q)/ours(1)")
     for dtype in (torch.bfloat16, torch.float32):
-        engine = Engine(EngineParts(instantiate_target(ckpt, dtype), None), CacheConfig())
+        if dtype == torch.bfloat16:
+            engine = Engine.load(args.engine or default_engine_dir())
+            print(f"bf16: {type(engine.target).__name__} of {args.engine or default_engine_dir()}")
+        else:
+            engine = Engine(EngineParts(instantiate_target(ckpt, dtype), None), CacheConfig())
         hf = hf_model(ckpt, dtype)
         with engine.scratch_sequence(prompt, args.context + 32) as seq:
             compare(engine.runner, hf, seq, prompt, dtype, args)

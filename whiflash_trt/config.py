@@ -205,7 +205,10 @@ class TreeConfig:
     """Shape of EAGLE-3's dynamic draft tree."""
     top_k: int = 4            # children per expanded node (1 = a chain)
     depth: int = 5            # draft steps per round
-    total_tokens: int = 16    # nodes verified per round, root (bonus) included
+    # nodes verified per round, root (bonus) included. 6: on the compiled CPU engine a verify's GEMMs are
+    # compute-bound past a few rows (a 16-node verify costs ~3x a decode step), and 6 nodes beat 16 in every
+    # benchmark category (docs/bench, whiflash-bench --tree-total-tokens 4/6/8/16 on 2 prompts per category)
+    total_tokens: int = 6
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:

@@ -3,7 +3,7 @@
 // Why a kernel of our own: decode and verify stream every weight once per step, and oneDNN's bf16 GEMM streams them
 // well below the machine's read bandwidth, the more so the more rows (measured on this project's Xeon, 2 threads:
 // SmolLM2's linears took 16.3 ms at 1 row and 43 ms at 16 rows with oneDNN, about 13 and 30 ms here). This one reads
-// each weight once per call for up to 4 rows, and from cache for more.
+// each weight once per call for up to 6 rows, and from cache for more.
 //
 // Row invariance by construction: every output y[m, n] is one fp32 accumulator lane that adds x[m, 2k] * W[n, 2k]
 // and then x[m, 2k+1] * W[n, 2k+1] with fp32 FMAs for k = 0, 1, ... in order, then the bias, then rounds once to
@@ -24,10 +24,12 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // outputs per packed block: four zmm of fp32 accumulators
 constexpr int kPrefetchBytes = 8192;  // software prefetch (to L2) distance along a block
-constexpr int kTileRows = 4;    // rows of x per pass over a block: 16 accumulators + 8 weights + 8 x in 32 zmm
+constexpr int kTileRows = 6;    // rows of x per pass over a block: 24 accumulators + 2 weights + a mask in 32 zmm
 
+// y[rows, 64 outputs of one block] from x in fp32 (exact: a bf16 is the top half of its fp32), so each x element is
+// one broadcast from memory folded into its FMA, and the FMA ports do little besides FMAs.
 template <int Rows>
-void block_rows(const uint16_t* x, int64_t ldx, const int32_t* w, int64_t pairs, const float* bias, uint16_t* y,
+void block_rows(const float* x, int64_t ldx, const int32_t* w, int64_t pairs, const float* bias, uint16_t* y,
                 int64_t ldy, int64_t cols) {
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512 acc[Rows][4];
@@ -37,19 +39,15 @@ void block_rows(const uint16_t* x, int64_t ldx, const int32_t* w, int64_t pairs,
     const int32_t* wk = w + k * kBlock;
     for (int j = 0; j < 4; ++j)  // +5-10% over the hardware prefetcher alone (measured, 2 threads)
       _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + kPrefetchBytes, _MM_HINT_T1);
-    __m512 even[4], odd[4];  // W[n, 2k] and W[n, 2k + 1] as fp32 (a bf16 is the top half of its fp32)
     for (int j = 0; j < 4; ++j) {
       __m512i pair = _mm512_loadu_si512(wk + 16 * j);
-      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      odd[j] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
-    }
-    for (int r = 0; r < Rows; ++r) {
-      int32_t bits;
-      __builtin_memcpy(&bits, x + r * ldx + 2 * k, sizeof(bits));
-      __m512i xr = _mm512_set1_epi32(bits);
-      __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(xr, 16));
-      __m512 x1 = _mm512_castsi512_ps(_mm512_and_si512(xr, high));
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(x1, odd[j], _mm512_fmadd_ps(x0, even[j], acc[r][j]));
+      __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));   // W[n, 2k] as fp32
+      __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));   // W[n, 2k + 1]
+      for (int r = 0; r < Rows; ++r) {
+        const float* xr = x + r * ldx + 2 * k;
+        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd,
+                                    _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, acc[r][j]));
+      }
     }
   }
   for (int j = 0; j < 4; ++j) {
@@ -64,8 +62,9 @@ void block_rows(const uint16_t* x, int64_t ldx, const int32_t* w, int64_t pairs,
   }
 }
 
-using BlockFn = void (*)(const uint16_t*, int64_t, const int32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
-constexpr BlockFn kBlockFns[kTileRows] = {block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>};
+using BlockFn = void (*)(const float*, int64_t, const int32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
+constexpr BlockFn kBlockFns[kTileRows] = {block_rows<1>, block_rows<2>, block_rows<3>,
+                                          block_rows<4>, block_rows<5>, block_rows<6>};
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features) {
@@ -76,7 +75,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   TORCH_CHECK(x.size(1) == 2 * pairs, "linear_bf16: x has ", x.size(1), " features, the weight ", 2 * pairs);
   TORCH_CHECK(out_features > (blocks - 1) * kBlock && out_features <= blocks * kBlock,
               "linear_bf16: out_features does not match the packed weight");
-  at::Tensor xc = x.contiguous();
+  at::Tensor xc = x.to(at::kFloat).contiguous();
   at::Tensor pc = packed.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -85,7 +84,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
     b = bias->contiguous();
   }
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const float* xp = xc.data_ptr<float>();
   const int32_t* wp = pc.data_ptr<int32_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());

@@ -28,19 +28,21 @@ inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, 
 inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
 
-template <typename T>
+// One (row, head): Vecs = ceil(head_dim / 16) zmm hold the query and the output accumulators in registers.
+template <typename T, int Vecs>
 void attend_row(const T* q, const T* k_pool, const T* v_pool, int64_t slot_stride, const int64_t* slots,
-                int64_t keys, int64_t dim, float scale, float* scores, float* acc, T* out) {
+                int64_t keys, int64_t dim, float scale, float* scores, T* out) {
+  __m512 qv[Vecs], acc[Vecs];
+  for (int i = 0; i < Vecs; ++i) qv[i] = load16(q + 16 * i, lanes(dim - 16 * i));
   float top = -INFINITY;
   for (int64_t j = 0; j < keys; ++j) {
     const T* k = k_pool + slots[j] * slot_stride;
     __m512 dot = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16) {
-      __mmask16 m = lanes(dim - d);
-      dot = _mm512_fmadd_ps(load16(q + d, m), load16(k + d, m), dot);
-    }
+    for (int i = 0; i < Vecs; ++i) dot = _mm512_fmadd_ps(qv[i], load16(k + 16 * i, lanes(dim - 16 * i)), dot);
     scores[j] = _mm512_reduce_add_ps(dot) * scale;
     top = std::max(top, scores[j]);
   }
@@ -49,23 +51,17 @@ void attend_row(const T* q, const T* k_pool, const T* v_pool, int64_t slot_strid
     scores[j] = std::exp(scores[j] - top);
     total += scores[j];
   }
-  for (int64_t d = 0; d < dim; d += 16) store16(acc + d, _mm512_setzero_ps(), lanes(dim - d));
+  for (int i = 0; i < Vecs; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < keys; ++j) {
     const T* v = v_pool + slots[j] * slot_stride;
     __m512 p = _mm512_set1_ps(scores[j]);
-    for (int64_t d = 0; d < dim; d += 16) {
-      __mmask16 m = lanes(dim - d);
-      store16(acc + d, _mm512_fmadd_ps(p, load16(v + d, m), load16(acc + d, m)), m);
-    }
+    for (int i = 0; i < Vecs; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + 16 * i, lanes(dim - 16 * i)), acc[i]);
   }
   __m512 inv = _mm512_set1_ps(1.f / total);
-  for (int64_t d = 0; d < dim; d += 16) {
-    __mmask16 m = lanes(dim - d);
-    store16(out + d, _mm512_mul_ps(load16(acc + d, m), inv), m);
-  }
+  for (int i = 0; i < Vecs; ++i) store16(out + 16 * i, _mm512_mul_ps(acc[i], inv), lanes(dim - 16 * i));
 }
 
-template <typename T>
+template <typename T, int Vecs>
 void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& row_slots,
             const at::Tensor& row_len, double scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
@@ -78,13 +74,27 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const int64_t* lp = row_len.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows * heads, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(width), acc(dim + 16);
+    std::vector<float> scores(width);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / heads, h = i % heads, kv = h / group;
-      attend_row<T>(qp + i * dim, kp + kv * dim, vp + kv * dim, slot_stride, sp + t * width, lp[t], dim,
-                    static_cast<float>(scale), scores.data(), acc.data(), op + i * dim);
+      attend_row<T, Vecs>(qp + i * dim, kp + kv * dim, vp + kv * dim, slot_stride, sp + t * width, lp[t], dim,
+                          static_cast<float>(scale), scores.data(), op + i * dim);
     }
   });
+}
+
+template <typename T>
+void attend_dim(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& row_slots,
+                const at::Tensor& row_len, double scale, at::Tensor& out) {
+  switch ((q.size(2) + 15) / 16) {
+    case 1: return attend<T, 1>(q, k_pool, v_pool, row_slots, row_len, scale, out);
+    case 2: return attend<T, 2>(q, k_pool, v_pool, row_slots, row_len, scale, out);
+    case 3: return attend<T, 3>(q, k_pool, v_pool, row_slots, row_len, scale, out);
+    case 4: return attend<T, 4>(q, k_pool, v_pool, row_slots, row_len, scale, out);
+    case 5: case 6: return attend<T, 6>(q, k_pool, v_pool, row_slots, row_len, scale, out);
+    case 7: case 8: return attend<T, 8>(q, k_pool, v_pool, row_slots, row_len, scale, out);
+    default: return attend<T, 16>(q, k_pool, v_pool, row_slots, row_len, scale, out);
+  }
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
@@ -100,6 +110,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "paged_attention: q, k, v and the pools must share one dtype, fp32 or bf16");
   TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0, "paged_attention: head shapes differ");
+  TORCH_CHECK(q.size(2) <= 256, "paged_attention: head_dim above 256 is not supported");
   TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == q.size(0) && row_len.numel() == q.size(0) &&
                   row_slots.scalar_type() == at::kLong && row_len.scalar_type() == at::kLong,
               "paged_attention: row_slots [T, W] and row_len [T] int64");
@@ -116,9 +127,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   at::Tensor out = at::empty_like(qc);
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(qc, k_pool, v_pool, slots, len, scale, out);
+    attend_dim<float>(qc, k_pool, v_pool, slots, len, scale, out);
   } else {
-    attend<at::BFloat16>(qc, k_pool, v_pool, slots, len, scale, out);
+    attend_dim<at::BFloat16>(qc, k_pool, v_pool, slots, len, scale, out);
   }
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }

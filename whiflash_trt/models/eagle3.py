@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.models.attention import attention_keys
 from whiflash_trt.models.contracts import Eagle3, Segment
-from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU
+from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU
 from whiflash_trt.models.target import Attention
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill
 
@@ -80,6 +81,16 @@ class Eagle3Drafter(nn.Module, Eagle3):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.head: FrozenLinear | None = None   # the lm_head, and kernel_attention, set by fuse_projections
+        self.kernel_attention = False
+
+    def fuse_projections(self) -> None:
+        """Inference-only (an engine's drafter; training runs the plain modules): the midlayer's q/k/v and gate/up
+        fused, its linears and the draft head FrozenLinears, its attention on the engine's kernel where loaded."""
+        self.midlayer.self_attn.fuse()
+        self.midlayer.mlp.fuse()
+        self.head = FrozenLinear(self.lm_head.weight)
+        self.kernel_attention = kernels.registered()
 
     def forward(
         self,
@@ -102,13 +113,13 @@ class Eagle3Drafter(nn.Module, Eagle3):
         layer = self.midlayer
         cos, sin = self.rotary(positions, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        # torch attention: the drafter also trains through this forward (the kernel has no backward)
-        keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, use_kernel=False)
+        keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, self.kernel_attention)
         h = hidden + layer.self_attn(x, cos, sin, k_cache, v_cache, 0, write_slots, keys)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.lm_head(self.norm(out_hidden)).float(), dim=-1)
+        head = self.lm_head if self.head is None else self.head
+        return torch.log_softmax(head(self.norm(out_hidden)).float(), dim=-1)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
