@@ -2,6 +2,7 @@
 runtime drafting exactly what the training forward computes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -206,7 +207,7 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
     assert report["lossless"] is True
     assert "mix" in report["eagle3"] and len(report["eagle3"]) >= 3   # json prompts exceed the tiny context
     assert report["eagle3"]["mix"]["tau"] >= 1.0
-    assert report["tree"] == {"top_k": 4, "depth": 5, "total_tokens": 16}   # the runtime default
+    assert report["tree"] == dataclasses.asdict(TreeConfig())   # the runtime default
     chain = workspace / "eval-chain.json"
     assert train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
                        "--per-category", "1", "--max-new-tokens", "16", "--tree", "1,3,4",

@@ -83,7 +83,8 @@ class DFlashAttention(Attention):
             slots = torch.arange(ctx + b, device=x.device)
             mask = torch.ones(b, ctx + b, dtype=torch.bool, device=x.device)
             outs.append(paged_attention(q[rows], k_all, v_all, slots, mask, self.scale))
-        return self.o_proj(torch.cat(outs))
+        out = torch.cat(outs)
+        return self.o(out) if self.qkv is not None else self.o_proj(out)
 
 
 class DFlashLayer(nn.Module):
@@ -111,6 +112,13 @@ class DFlashDrafter(nn.Module, DFlash):
         # A target whose embedding table has no spare row for mask_token_id: the drafter carries that row.
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if carries_mask_embedding else None
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+
+    def fuse_projections(self) -> None:
+        """Inference-only (an engine's drafter; training runs the plain modules): each layer's q/k/v and gate/up
+        fused, its linears FrozenLinears (on the engine's bf16 kernel where it is loaded)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(
         self,

@@ -73,7 +73,8 @@ def compiled_target(engine_dir: Path, manifest: Manifest, target, dtype: torch.d
     return CompiledTarget(target, engine_dir / entry["path"], tuple(entry["capture_layers"]))
 
 
-def _inference_eagle3(drafter):
+def _for_inference(drafter):
+    """An engine's drafter: frozen, its projections fused (and on the kernels where loaded)."""
     drafter.requires_grad_(False).eval()
     drafter.fuse_projections()
     return drafter
@@ -85,8 +86,8 @@ def checkpoint_parts(target: Target, tokenizer, device: str = "cpu", eagle3: Pat
     """A torch target with the drafters and router weights read from their checkpoint paths."""
     cfg, dtype = target.config, target.dtype
     return EngineParts(target, tokenizer,
-                       None if eagle3 is None else _inference_eagle3(load_eagle3(eagle3, cfg).to(device, dtype)),
-                       None if dflash is None else load_dflash(dflash, cfg).to(device, dtype),
+                       None if eagle3 is None else _for_inference(load_eagle3(eagle3, cfg).to(device, dtype)),
+                       None if dflash is None else _for_inference(load_dflash(dflash, cfg).to(device, dtype)),
                        None if router is None else load_router(router, cfg.hidden_size), manifest)
 
 
