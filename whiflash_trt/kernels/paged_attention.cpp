@@ -4,14 +4,16 @@
 //
 // Row invariance by construction: one (row, head) is computed by one thread, in a fixed order that depends only on
 // its query and its keys: scores q.k (16 fp32 lanes over head_dim, then a fixed lane reduction) in key order, the max,
-// exp(s - max) and their sum in key order, then sum_j p_j v_j in key order (16 lanes over head_dim). A verify row, a
-// tree node or a row of a batched call equals the same position fed alone, bit for bit (tests/test_kernels.py).
+// exp(s - max) 16 keys at a time and their sum (16 lanes, then a fixed reduction), then sum_j p_j v_j in key order
+// (16 lanes over head_dim). A verify row, a tree node or a row of a batched call equals the same position fed alone,
+// bit for bit (tests/test_kernels.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -32,40 +34,86 @@ inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
-// One (row, head): Vecs = ceil(head_dim / 16) zmm hold the query and the output accumulators in registers.
+// exp of 16 lanes (Cephes' expf polynomial, ~1 ulp; lanes below -87 give 0): p * 2^n, x = n ln2 + r, |r| <= ln2/2.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int kMaxGroup = 16;   // query heads per KV head
+constexpr int kMaxDim = 256;
+
+// One row's heads that share a KV head (a GQA group): each key and value is loaded and widened once for all of them.
+// Per head the order is the one of a head alone (the bits do not depend on the group). Vecs = ceil(head_dim / 16).
 template <typename T, int Vecs>
-void attend_row(const T* q, const T* k_pool, const T* v_pool, int64_t slot_stride, const int64_t* slots,
-                int64_t keys, int64_t dim, float scale, float* scores, T* out) {
-  __m512 qv[Vecs], acc[Vecs];
-  for (int i = 0; i < Vecs; ++i) qv[i] = load16(q + 16 * i, lanes(dim - 16 * i));
-  float top = -INFINITY;
+void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, int64_t slot_stride,
+                  const int64_t* slots, int64_t keys, int64_t dim, float scale, float* scores, int64_t ld, T* out) {
+  alignas(64) float qf[kMaxGroup][Vecs * 16];
+  alignas(64) float acc[kMaxGroup][Vecs * 16];
+  float top[kMaxGroup], total[kMaxGroup];
+  for (int64_t h = 0; h < group; ++h) {
+    top[h] = -INFINITY;
+    for (int i = 0; i < Vecs; ++i) {
+      _mm512_store_ps(qf[h] + 16 * i, load16(q + h * dim + 16 * i, lanes(dim - 16 * i)));
+      _mm512_store_ps(acc[h] + 16 * i, _mm512_setzero_ps());
+    }
+  }
   for (int64_t j = 0; j < keys; ++j) {
     const T* k = k_pool + slots[j] * slot_stride;
-    __m512 dot = _mm512_setzero_ps();
-    for (int i = 0; i < Vecs; ++i) dot = _mm512_fmadd_ps(qv[i], load16(k + 16 * i, lanes(dim - 16 * i)), dot);
-    scores[j] = _mm512_reduce_add_ps(dot) * scale;
-    top = std::max(top, scores[j]);
+    __m512 kv[Vecs];
+    for (int i = 0; i < Vecs; ++i) kv[i] = load16(k + 16 * i, lanes(dim - 16 * i));
+    for (int64_t h = 0; h < group; ++h) {
+      __m512 dot = _mm512_setzero_ps();
+      for (int i = 0; i < Vecs; ++i) dot = _mm512_fmadd_ps(_mm512_load_ps(qf[h] + 16 * i), kv[i], dot);
+      const float s = _mm512_reduce_add_ps(dot) * scale;
+      scores[h * ld + j] = s;
+      top[h] = std::max(top[h], s);
+    }
   }
-  float total = 0.f;
-  for (int64_t j = 0; j < keys; ++j) {
-    scores[j] = std::exp(scores[j] - top);
-    total += scores[j];
+  // p_j = exp(s_j - max), 16 keys at a time; their sum in 16 lanes, reduced once
+  for (int64_t h = 0; h < group; ++h) {
+    float* sh = scores + h * ld;
+    __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(top[h]);
+    for (int64_t j = 0; j < keys; j += 16) {
+      __mmask16 m = lanes(keys - j);
+      __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + j), shift)));
+      _mm512_mask_storeu_ps(sh + j, m, p);
+      sums = _mm512_add_ps(sums, p);
+    }
+    total[h] = _mm512_reduce_add_ps(sums);
   }
-  for (int i = 0; i < Vecs; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < keys; ++j) {
     const T* v = v_pool + slots[j] * slot_stride;
-    __m512 p = _mm512_set1_ps(scores[j]);
-    for (int i = 0; i < Vecs; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + 16 * i, lanes(dim - 16 * i)), acc[i]);
+    __m512 vv[Vecs];
+    for (int i = 0; i < Vecs; ++i) vv[i] = load16(v + 16 * i, lanes(dim - 16 * i));
+    for (int64_t h = 0; h < group; ++h) {
+      __m512 p = _mm512_set1_ps(scores[h * ld + j]);
+      for (int i = 0; i < Vecs; ++i)
+        _mm512_store_ps(acc[h] + 16 * i, _mm512_fmadd_ps(p, vv[i], _mm512_load_ps(acc[h] + 16 * i)));
+    }
   }
-  __m512 inv = _mm512_set1_ps(1.f / total);
-  for (int i = 0; i < Vecs; ++i) store16(out + 16 * i, _mm512_mul_ps(acc[i], inv), lanes(dim - 16 * i));
+  for (int64_t h = 0; h < group; ++h) {
+    __m512 inv = _mm512_set1_ps(1.f / total[h]);
+    for (int i = 0; i < Vecs; ++i)
+      store16(out + h * dim + 16 * i, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * i), inv), lanes(dim - 16 * i));
+  }
 }
 
 template <typename T, int Vecs>
 void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& row_slots,
             const at::Tensor& row_len, double scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t group = heads / k_pool.size(1), width = row_slots.size(1);
+  const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads, width = row_slots.size(1);
   const int64_t slot_stride = k_pool.stride(0);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pool.data_ptr<T>();
@@ -73,12 +121,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const int64_t* sp = row_slots.data_ptr<int64_t>();
   const int64_t* lp = row_len.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows * heads, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(width);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * width);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / heads, h = i % heads, kv = h / group;
-      attend_row<T, Vecs>(qp + i * dim, kp + kv * dim, vp + kv * dim, slot_stride, sp + t * width, lp[t], dim,
-                          static_cast<float>(scale), scores.data(), op + i * dim);
+      const int64_t t = i / kv_heads, kv = i % kv_heads, first = (t * heads + kv * group) * dim;
+      attend_group<T, Vecs>(qp + first, group, kp + kv * dim, vp + kv * dim, slot_stride, sp + t * width, lp[t],
+                            dim, static_cast<float>(scale), scores.data(), width, op + first);
     }
   });
 }
@@ -110,7 +158,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "paged_attention: q, k, v and the pools must share one dtype, fp32 or bf16");
   TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0, "paged_attention: head shapes differ");
-  TORCH_CHECK(q.size(2) <= 256, "paged_attention: head_dim above 256 is not supported");
+  TORCH_CHECK(q.size(2) <= kMaxDim && q.size(1) / k_pool.size(1) <= kMaxGroup,
+              "paged_attention: head_dim above 256 or more than 16 query heads per KV head is not supported");
   TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == q.size(0) && row_len.numel() == q.size(0) &&
                   row_slots.scalar_type() == at::kLong && row_len.scalar_type() == at::kLong,
               "paged_attention: row_slots [T, W] and row_len [T] int64");
