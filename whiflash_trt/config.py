@@ -203,12 +203,13 @@ CATCH_UP = ("lazy", "eager")
 @dataclass(frozen=True)
 class TreeConfig:
     """Shape of EAGLE-3's dynamic draft tree."""
-    top_k: int = 4            # children per expanded node (1 = a chain)
-    depth: int = 5            # draft steps per round
-    # nodes verified per round, root (bonus) included. 6: on the compiled CPU engine a verify's GEMMs are
-    # compute-bound past a few rows (a 16-node verify costs ~3x a decode step), and 6 nodes beat 16 in every
-    # benchmark category (docs/bench, whiflash-bench --tree-total-tokens 4/6/8/16 on 2 prompts per category)
-    total_tokens: int = 6
+    # Measured on the compiled CPU engine, where a verify's GEMMs are compute-bound past a few rows (a 16-node verify
+    # costs ~2.4x a decode step): 6 nodes beat 16 and 8 in every benchmark category (whiflash-bench
+    # --tree-total-tokens 4/6/8/16, 2 prompts per category), and top-k 3 with depth 4 beat 4 with 5 in every one
+    # (3 prompts per category; drafting 4 steps of 3 rows costs less than 5 of 4).
+    top_k: int = 3            # children per expanded node (1 = a chain)
+    depth: int = 4            # draft steps per round
+    total_tokens: int = 6     # nodes verified per round, root (bonus) included
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:
