@@ -122,7 +122,7 @@ def add_kernels(engine_dir: Path, required: bool) -> dict:
     (engine_dir / KERNELS_DIR).mkdir()
     shutil.copyfile(library, engine_dir / KERNELS_DIR / kernels.LIBRARY)
     return {"path": f"{KERNELS_DIR}/{kernels.LIBRARY}", "version": kernels.version(),
-            "ops": ["whiflash::linear_bf16"]}
+            "ops": ["whiflash::linear_bf16", "whiflash::paged_attention"]}
 
 
 def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engine_dir: Path,

@@ -3,9 +3,13 @@ AOTInductor into one package the runtime loads without recompiling (runtime/back
 
 The graph is the eager forward (TargetModel.forward_keys) over the engine's kernels: the GEMMs and the paged attention
 stay custom ops (whiflash_trt/kernels), which the KV pools are written through; inductor fuses everything between
-them (norms, RoPE, SwiGLU, residuals) and drops the per-op dispatch of eager mode. emulate_precision_casts keeps
-eager's bf16 roundings, so the compiled step gives the eager step's bits (tests/test_compiled.py). One graph serves
-every call: the new rows T, the keys per row W, the logit rows and the pool slots are dynamic.
+them (norms, RoPE, SwiGLU, residuals) and drops the per-op dispatch of eager mode. One graph serves every call: the
+new rows T, the keys per row W, the logit rows and the pool slots are dynamic.
+
+Bits: emulate_precision_casts keeps eager's bf16 roundings between ops, but inductor sums the norms' squares in its
+own order, so a compiled step can differ from the eager step in the last place. What losslessness needs holds: the
+compiled step's rows do not depend on the rest of the call (tests/test_compiled.py, chains and trees at 1 and 2
+threads), and its greedy tokens equal the eager engine's on the tests' prompts.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ from whiflash_trt.models.attention import RowKeys
 from whiflash_trt.models.target import TargetModel
 
 # inductor settings of the package: bf16 roundings as eager mode does them; weights stay inputs of the kernels
-# (they are prepacked already), so freezing has nothing to fold.
+# (they are prepacked already), so freezing has nothing to fold; inductor's own kernels on one thread, so no
+# reduction is split over threads by the row count (with 2 threads a 30-row prefill's rows differed from eager's in
+# later layers; the GEMM and attention ops still use every torch thread).
 INDUCTOR_CONFIGS = {"emulate_precision_casts": True, "freezing": False, "cpp.threads": 1}
 
 

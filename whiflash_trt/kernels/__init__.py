@@ -5,13 +5,14 @@ carries, and loaded once per process:
 Both give every row the same bits whatever else the call holds (what lossless verification needs).
 
     path = compile_library(DEFAULT_CACHE)  # once per source version; whiflash-build copies it into the engine
-    load(path)                             # registers torch.ops.whiflash.linear_bf16 in this process
+    load(path)                             # registers torch.ops.whiflash.* in this process
     if registered(): packed = pack_weight(w); y = linear(x, packed, bias, w.shape[0])
                      out = paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len,
                                            scale)
 
-TargetModel.fuse_projections hands bf16 weights and the attention to them once they are loaded. Where the CPU lacks AVX-512 BF16 or no C++
-compiler is found, nothing is loaded and the linears keep oneDNN (models/layers.py FrozenLinear).
+TargetModel.fuse_projections hands bf16 weights and the attention to them once they are loaded. Where the CPU lacks
+AVX-512 BF16 or no C++ compiler is found, nothing is loaded: the linears keep oneDNN (models/layers.py FrozenLinear)
+and the attention models/attention.py's row-invariant torch version.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def version() -> str:
 
 def compile_library(cache_dir: Path) -> Path:
     """The kernel library for this source and torch, compiled into cache_dir/<version>/ unless already there
-    (~1 minute on 2 cores). Raises KernelBuildError with the reason when it cannot be built here."""
+    (~10 s on 2 cores). Raises KernelBuildError with the reason when it cannot be built here."""
     out = cache_dir / version()
     library = out / LIBRARY
     if library.is_file():
@@ -69,8 +70,8 @@ def compile_library(cache_dir: Path) -> Path:
     build = out / "build"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load("whiflash_kernels", [str(p) for p in SOURCES], extra_cflags=FLAGS, build_directory=str(build),
-                           is_python_module=False, verbose=False)
+        cpp_extension.load("whiflash_kernels", [str(p) for p in SOURCES], extra_cflags=FLAGS,
+                           build_directory=str(build), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # compiler errors, missing ninja
         raise KernelBuildError(f"compiling the kernels failed: {e}") from None
     shutil.copyfile(build / LIBRARY, library)

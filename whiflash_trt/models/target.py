@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from whiflash_trt.config import ModelConfig
 from whiflash_trt import kernels
+from whiflash_trt.config import ModelConfig
 from whiflash_trt.models.attention import KeyLayout, RowKeys, attention_keys
 from whiflash_trt.models.contracts import Segment, Target, TargetOutput
 from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear

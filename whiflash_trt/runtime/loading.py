@@ -43,13 +43,14 @@ def load_tokenizer(engine_dir: Path):
 
 def load_engine_kernels(engine_dir: Path, manifest: Manifest) -> None:
     """The engine's compiled kernels, where it carries them and they fit this machine and torch; otherwise its
-    linears run on oneDNN (same tokens, another rounding), and the reason is printed."""
+    linears run on oneDNN and its attention on torch (lossless still, with another rounding: greedy tokens can differ
+    at near-ties from the same engine run on the kernels), and the reason is printed."""
     entry = manifest.kernels
     if not entry or kernels.registered():
         return
     if entry.get("version") != kernels.version():
-        kernels.report_unavailable(f"the engine's kernels were built for another torch or source version; "
-                                   f"rebuild the engine")
+        kernels.report_unavailable("the engine's kernels were built for another torch or source version; "
+                                   "rebuild the engine")
         return
     try:
         kernels.load(engine_dir / entry["path"])
@@ -68,8 +69,8 @@ def compiled_target(engine_dir: Path, manifest: Manifest, target, dtype: torch.d
         raise WhiflashError(f"the compiled target runs on CPU in {manifest.dtype}; use --backend torch for "
                             f"{device} or another dtype")
     if not target.kernel_attention:
-        raise WhiflashError(f"the compiled target needs the engine's kernels, which do not run here (see above); "
-                            f"run the engine with --backend torch")
+        raise WhiflashError("the compiled target needs the engine's kernels, which do not run here (see above); "
+                            "run the engine with --backend torch")
     return CompiledTarget(target, engine_dir / entry["path"], tuple(entry["capture_layers"]))
 
 

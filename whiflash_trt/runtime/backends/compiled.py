@@ -1,6 +1,8 @@
 """The "compiled" backend: the target step runs the AOTInductor package whiflash-build made
 (builder/compile_target.py); embeddings, the LM head of drafted rows and the drafters stay the torch modules. The
-package gives the eager step's bits, so the two mix freely (a capture the package lacks runs eagerly)."""
+package's rows are row-invariant like the eager step's but may differ from them in the last place, so every step of
+an engine runs the package: the engine only asks for the captures it was compiled with (another capture, for a tool,
+runs the eager module)."""
 from __future__ import annotations
 
 from pathlib import Path
