@@ -2,6 +2,9 @@
 that do not depend on the other rows of the call or on the thread count (what lossless verification needs)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +142,24 @@ def test_paged_attention_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="dtype"):
         kernels.paged_attention(q.bfloat16(), k, v, k_pool, v_pool, 1, write, torch.tensor([[0, 1], [0, 1]]),
                                 row_len, 1.0)
+
+
+def test_a_fresh_build_registers_the_shapes_export_needs(tmp_path):
+    """compile_library's build loads the library into the process; load() must still register the fake shapes that
+    torch.export needs (a fresh machine has no compiled library in its cache). In a process of its own."""
+    script = f"""
+import torch
+from pathlib import Path
+from whiflash_trt import kernels
+assert kernels.load(kernels.compile_library(Path({str(tmp_path)!r})))
+
+def f(x, packed):
+    return kernels.linear(x, packed, None, 64)
+
+w = torch.randn(64, 32).bfloat16()
+program = torch.export.export(type("M", (torch.nn.Module,), {{"forward": lambda self, x, p: f(x, p)}})(),
+                              (torch.randn(3, 32).bfloat16(), kernels.pack_weight(w)))
+print("exported", len(program.graph.nodes))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "exported" in out.stdout, out.stderr[-2000:]

@@ -83,19 +83,27 @@ def load(library: Path) -> bool:
     CPU cannot run it."""
     if not cpu_supported():
         return False
-    if not registered():
+    if not registered():   # compile_library's build loads it too
         torch.ops.load_library(str(library))
-        _register_shapes()
+    _register_shapes()
     return True
 
 
+_shapes_registered = False
+
+
 def _register_shapes() -> None:
-    """Output shapes without running the kernels: torch.export traces through them (builder/compile_target.py)."""
+    """Output shapes without running the kernels (once per process): torch.export traces through them
+    (builder/compile_target.py)."""
+    global _shapes_registered
+    if _shapes_registered:
+        return
     torch.library.register_fake("whiflash::linear_bf16")(
         lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features))
     torch.library.register_fake("whiflash::paged_attention")(
         lambda q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len, scale:
         q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
+    _shapes_registered = True
 
 
 def ensure_loaded(cache_dir: Path = DEFAULT_CACHE) -> bool:
