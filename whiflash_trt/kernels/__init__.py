@@ -148,4 +148,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def report_unavailable(reason: str) -> None:
-    print(f"whiflash: the bf16 GEMM kernel is not used ({reason}); linears run on oneDNN", file=sys.stderr)
+    print(f"whiflash: the engine's CPU kernels are not used ({reason}); linears run on oneDNN, attention on torch",
+          file=sys.stderr)
