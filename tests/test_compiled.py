@@ -73,3 +73,13 @@ def test_compiled_needs_bf16_and_a_package(spec_engine_dir):
         BuildOptions(target="x", output=spec_engine_dir.parent / "never", dtype="fp32", backend="compiled")
     with pytest.raises(WhiflashError, match="no compiled target"):
         Engine.load(spec_engine_dir, backend="compiled")
+
+
+def test_a_compiled_build_prints_progress_to_stderr_only(tiny_checkpoint, tmp_path, capfd):
+    """`whiflash-run --json` builds the default engine on its first run: its stdout must stay JSON lines."""
+    from whiflash_trt.builder.build import build_engine
+
+    build_engine(BuildOptions(target=str(tiny_checkpoint("llama")), output=tmp_path / "engine", dtype="bf16",
+                              backend="compiled", show_progress=True))
+    out, err = capfd.readouterr()
+    assert out == "" and "compiling the target step" in err

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +133,8 @@ def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engin
 
     kernels.load(engine_dir / KERNELS_DIR / kernels.LIBRARY)
     if show_progress:
-        print("compiling the target step (torch.export + AOTInductor)", flush=True)
+        # stderr: `whiflash-run --json` builds the default engine on its first run, and its stdout is JSON lines
+        print("compiling the target step (torch.export + AOTInductor)", file=sys.stderr, flush=True)
     (engine_dir / COMPILED_DIR).mkdir()
     target = instantiate_target(ckpt, torch.bfloat16)
     entry = compile_target(target, capture_layers, engine_dir / COMPILED_DIR / "target.pt2")
