@@ -73,8 +73,9 @@ class RowKeys:
 
 
 def attention_keys(segments: list[Segment], group: int, use_kernel: bool) -> KeyLayout | RowKeys:
-    """What every layer's attention of one forward reads: RowKeys for the kernel where it is loaded and wanted."""
-    return row_keys(segments) if use_kernel and kernels.registered() else key_layout(segments, group)
+    """What every layer's attention of one forward reads: RowKeys for the kernel (`use_kernel`: the model's
+    kernel_attention, set where the kernels are loaded), else the torch attention's KeyLayout."""
+    return row_keys(segments) if use_kernel else key_layout(segments, group)
 
 
 def row_keys(segments: list[Segment]) -> RowKeys:
