@@ -34,7 +34,7 @@ class Batch:
     def submit(self, req: Request) -> Request:
         """Queue a request; raises KVCacheExhausted (nothing allocated) if it needs more KV memory than there is."""
         slots = self.engine.slots_needed(req)
-        blocks = self._blocks(req)
+        blocks = self._blocks(slots)
         allocator = self.engine.kv.allocator
         if blocks > allocator.num_blocks:
             prompt, limit = len(req.seq.prompt_ids), req.gen.max_new_tokens
@@ -90,11 +90,12 @@ class Batch:
         joining = []
         while self.waiting and len(self.running) + len(joining) < self.max_running:
             req = self.waiting[0]
-            if self._blocks(req) > self.engine.kv.allocator.num_free:
+            slots = self.engine.slots_needed(req)
+            if self._blocks(slots) > self.engine.kv.allocator.num_free:
                 break
-            req.seq.reserve(self.engine.slots_needed(req))
+            req.seq.reserve(slots)
             joining.append(self.waiting.popleft())
         return joining
 
-    def _blocks(self, req: Request) -> int:
-        return -(-self.engine.slots_needed(req) // self.engine.kv.block_size)
+    def _blocks(self, slots: int) -> int:
+        return -(-slots // self.engine.kv.block_size)
