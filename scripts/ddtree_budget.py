@@ -64,7 +64,8 @@ def offline(engine: Engine, responses, budgets: list[int]) -> dict:
 
 def runtime(engine: Engine, budgets: list[int], num_prompts: int, max_new_tokens: int) -> dict:
     prompts = [p for cat in ("code", "math") for p in builtin_set(cat)[:num_prompts]]
-    settings = {CHAIN: SpecConfig(mode=DFLASH, dflash_tree=DFlashTreeConfig(top_k=1)), "ar": SpecConfig(mode="ar")}
+    chain = DFlashTreeConfig(total_tokens=engine.proposers[DFLASH].draft_block_len, top_k=1)   # the whole block
+    settings = {CHAIN: SpecConfig(mode=DFLASH, dflash_tree=chain), "ar": SpecConfig(mode="ar")}
     settings |= {str(b): SpecConfig(mode=DFLASH, dflash_tree=DFlashTreeConfig(total_tokens=b)) for b in budgets}
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     engine.generate(engine.encode(prompts[0].prompt, chat=True), GenerationConfig(max_new_tokens=8))   # warm-up

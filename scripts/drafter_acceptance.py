@@ -34,7 +34,8 @@ EAGLE3_CHAIN = TreeConfig(top_k=1, depth=8, total_tokens=9)
 
 
 def runtime_curves(engine: Engine, responses, max_new_tokens: int) -> dict:
-    specs = {DFLASH: SpecConfig(mode=DFLASH, dflash_tree=DFlashTreeConfig(top_k=1)),
+    chain = DFlashTreeConfig(total_tokens=engine.proposers[DFLASH].draft_block_len, top_k=1)   # the whole block
+    specs = {DFLASH: SpecConfig(mode=DFLASH, dflash_tree=chain),
              EAGLE3: SpecConfig(mode=EAGLE3, tree=EAGLE3_CHAIN)}
     depth = {DFLASH: engine.proposers[DFLASH].draft_block_len - 1, EAGLE3: EAGLE3_CHAIN.depth}
     out = {}

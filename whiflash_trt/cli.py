@@ -252,7 +252,7 @@ def run_parser() -> argparse.ArgumentParser:
                                                          f"(default: {TreeConfig.total_tokens})")
     p.add_argument("--dflash-tree-total-tokens", type=int,
                    help="DFlash tree (DDTree): nodes verified per round, root included, the most probable prefixes "
-                        "under the block's per-position distributions (default: the drafter's block length)")
+                        "under the block's per-position distributions (default: 6, or what the block holds)")
     p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
                                                          "chain (default: no limit)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")

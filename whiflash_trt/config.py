@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, asdict
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -220,9 +220,15 @@ class TreeConfig:
 @dataclass(frozen=True)
 class DFlashTreeConfig:
     """DFlash's draft per round, from one block forward: the DDTree of the total_tokens - 1 most probable prefixes
-    under the block's per-position distributions (spec.ddtree). top_k 1 with the block length is the block's chain.
-    Default: as many nodes as the chain (measured faster than the chain on CPU: see the drafters' model card)."""
-    total_tokens: int | None = None   # nodes verified per round, root (bonus) included; None = the block length
+    under the block's per-position distributions (spec.ddtree); top_k 1 is the block's chain of total_tokens - 1
+    argmax drafts. total_tokens None: DEFAULT_NODES, or fewer where the block (and top_k) cannot hold that many."""
+    # DEFAULT_NODES is measured on the compiled CPU engine (whiflash-bench --modes ar,dflash --num-prompts 3
+    # --max-new-tokens 64 --dflash-tree-total-tokens N, 2 threads): its GEMM takes up to 6 rows per pass over the
+    # weights, so a 6-node verify costs about a 5-node one and a 7-node one ~5 ms more (round 24.1 vs 29.1 ms).
+    # N = 4/5/6/7 ran at 0.94/0.97/0.92/0.84x `ar` over all categories, the block's 8-node chain at 0.77x (tau 1.63;
+    # the 6-node tree 1.82).
+    DEFAULT_NODES: ClassVar[int] = 6
+    total_tokens: int | None = None   # nodes verified per round, root (bonus) included; None: see above
     top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
 
     def __post_init__(self) -> None:

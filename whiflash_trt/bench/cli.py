@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-total-tokens", type=int, default=TreeConfig.total_tokens,
                    help="EAGLE-3 tree: nodes verified per round, root included")
     p.add_argument("--dflash-tree-total-tokens", type=int,
-                   help="DFlash tree (DDTree): nodes verified per round, root included (default: the block length)")
+                   help="DFlash tree (DDTree): nodes verified per round, root included "
+                        "(default: 6, or what the block holds)")
     p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
                                                          "chain (default: no limit)")
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")

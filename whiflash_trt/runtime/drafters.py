@@ -196,7 +196,10 @@ class DFlashProposer(Proposer):
         return 0   # the block's own K/V never enter the pool
 
     def max_tree_tokens(self) -> int:
-        return self.tree.total_tokens or self.draft_block_len
+        if self.tree.total_tokens is not None:
+            return self.tree.total_tokens
+        fits = max_prefix_tree_nodes(self.draft_block_len - 1, self.tree.top_k)
+        return int(min(DFlashTreeConfig.DEFAULT_NODES, fits))
 
     def backlog(self, seq: Sequence) -> int:
         return max(0, seq.num_committed - seq.frontiers.get(self.name, 0))
@@ -244,14 +247,14 @@ class DFlashProposer(Proposer):
         return self.propose_many([seq])[0]
 
     def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
-        """Each block gives the chain of its argmax drafts, or the DDTree of `tree.total_tokens` nodes."""
-        proposals = []
+        """Each block gives the DDTree of max_tree_tokens() nodes; with top_k 1, the chain of its argmax drafts."""
+        proposals, nodes = [], self.max_tree_tokens()
         for seq, logits in zip(seqs, self.block_logits_many(seqs)):
-            if self.tree.total_tokens is None:
-                tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist())
+            if self.tree.top_k == 1:
+                tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist()[:nodes - 1])
             else:
-                tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1),
-                                           self.tree.total_tokens, self.tree.top_k)
+                tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1), nodes,
+                                           self.tree.top_k)
             proposals.append(Proposal(tree, frontier=seq.num_committed))
         return proposals
 
