@@ -13,7 +13,7 @@ SPECS = [
     SpecConfig(mode="eagle3"),
     SpecConfig(mode="eagle3", tree=TreeConfig(top_k=1, depth=4, total_tokens=5)),      # chain
     SpecConfig(mode="eagle3", tree=TreeConfig(top_k=3, depth=3, total_tokens=8)),
-    SpecConfig(mode="dflash"),                                                                # DDTree, block size
+    SpecConfig(mode="dflash"),                                                                # DDTree, default nodes
     SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(top_k=1)),                         # the block's chain
     SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=12)),
     SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=9, top_k=2)),
@@ -192,7 +192,8 @@ def test_throughput_router_file_routes_all_three_choices_losslessly(tmp_path, ti
     save_throughput_router(p, tmp_path / "router.safetensors", 1.0, {"eagle3": 0.0, "dflash": 0.0}, costs, 0.5, 0.0)
     target = tiny_checkpoint("spec")
     engine = Engine.load(build_tiny_engine(target, tmp_path / "engine", router=tmp_path / "router.safetensors",
-                                           **save_drafters(tmp_path, target, router=False)))
+                                           **save_drafters(tmp_path, target, router=False)),
+                         round_costs_cache=tmp_path / "round-costs")
     assert set(engine.round_seconds) == {"none", "eagle3", "dflash"} and min(engine.round_seconds.values()) > 0
     engine.round_seconds = costs        # the calibrated tiny-model costs are noise; fix the ratios for the cycle
     vocab = engine.target.config.vocab_size

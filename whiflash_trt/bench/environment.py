@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from whiflash_trt import __version__
+from whiflash_trt.runtime.device import cpu_model
 
 
 def load_average() -> list[float] | None:
@@ -18,16 +19,6 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def git_commit() -> str | None:

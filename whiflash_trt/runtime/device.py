@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -36,3 +38,14 @@ def set_threads(n: int) -> None:
     if n < 1:
         raise WhiflashError(f"--threads must be >= 1, got {n}")
     torch.set_num_threads(n)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -27,7 +27,7 @@ from whiflash_trt.runtime.request import GenerationResult, Request
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.runtime.stopping import StopChecker
 from whiflash_trt.runtime.target_runner import Feed, TargetRunner
-from whiflash_trt.runtime.round_costs import measure_round_seconds
+from whiflash_trt.runtime.round_costs import DEFAULT_CACHE as ROUND_COSTS_CACHE, cached_round_seconds
 from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, NO_DRAFT, EntropyRouter, NeuralRouter, Router,
                                       ThroughputRouter, route_signal)
 from whiflash_trt.spec.sampling import next_token, target_probs
@@ -36,8 +36,10 @@ from whiflash_trt.spec.verify import verify_greedy, verify_sampling
 
 
 class Engine:
-    def __init__(self, parts: EngineParts, cache: CacheConfig, device: torch.device | str = "cpu") -> None:
-        """`parts` (runtime.loading) on `device`; the KV pools of all its models share `cache`'s budget."""
+    def __init__(self, parts: EngineParts, cache: CacheConfig, device: torch.device | str = "cpu",
+                 round_costs_cache: Path | None = ROUND_COSTS_CACHE) -> None:
+        """`parts` (runtime.loading) on `device`; the KV pools of all its models share `cache`'s budget. A v2 router's
+        round costs are measured once per engine and machine and kept in `round_costs_cache` (None: every load)."""
         self.target, self.tokenizer, self.manifest = parts.target, parts.tokenizer, parts.manifest
         self.router_file = parts.router
         self.device = torch.device(device)
@@ -52,16 +54,17 @@ class Engine:
         # The throughput router (a v2 router file) weighs each choice by its seconds per round on this machine.
         self.round_seconds: dict[str, float] = {}
         if self.router_file is not None and self.router_file.version == 2 and len(self.proposers) == 2:
-            self.round_seconds = measure_round_seconds(self)
+            self.round_seconds = cached_round_seconds(self, round_costs_cache)
 
     @classmethod
     def load(cls, engine_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-             kv_budget_bytes: int | None = None, backend: str | None = None) -> "Engine":
+             kv_budget_bytes: int | None = None, backend: str | None = None,
+             round_costs_cache: Path | None = ROUND_COSTS_CACHE) -> "Engine":
         """Load an engine directory; the KV pools share `kv_budget_bytes` (default CacheConfig's). `backend`:
         None = the one it was built for; "torch" runs the modules of any engine (see runtime.backends)."""
         parts = load_parts(Path(engine_dir), device, dtype, backend)
         budget = CacheConfig.memory_budget_bytes if kv_budget_bytes is None else kv_budget_bytes
-        return cls(parts, CacheConfig(parts.manifest.block_size, budget), device)
+        return cls(parts, CacheConfig(parts.manifest.block_size, budget), device, round_costs_cache)
 
     @contextmanager
     def scratch_sequence(self, token_ids: list[int], num_slots: int | None = None) -> Iterator[Sequence]:

@@ -10,15 +10,63 @@ thread. The costs are used only as ratios (rate = tokens / seconds); on a loaded
 gave EAGLE-3 : ar ratios of 2.5-3.0 and DFlash : ar 1.8-2.0 from run to run (the bench's 30-run means: 2.4, 1.7).
 Costs grow with the context length and the tree; the calibration fixes both at a short prompt and the default tree
 (a documented limitation). Engine.round_seconds can be set by a caller that measured better ones.
+
+The costs are kept (`cached_round_seconds`) in the user's cache, one small JSON file per engine (its manifest),
+backend, thread count, CPU model, default tree shapes and whiflash-trt version, so that only the first load of an
+engine on a machine pays the calibration (later loads: well under a millisecond); delete the folder to measure again.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 import statistics
+import tempfile
+from pathlib import Path
 
-from whiflash_trt.config import AR, DFLASH, EAGLE3, GenerationConfig, SpecConfig
+import torch
+
+from whiflash_trt import __version__
+from whiflash_trt.config import AR, DFLASH, EAGLE3, DFlashTreeConfig, GenerationConfig, SpecConfig, TreeConfig
+from whiflash_trt.runtime.device import cpu_model
 from whiflash_trt.spec.router import NO_DRAFT
 
 CALIBRATION_PROMPT = "Write a short Python function that returns the sum of a list of numbers, then explain it."
+DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "round-costs"
+
+
+def calibration_key(engine) -> str:
+    """What the costs depend on besides the machine's load."""
+    what = {"manifest": dataclasses.asdict(engine.manifest), "target": type(engine.target).__name__,
+            "proposers": sorted(f"{n}:{type(p.model).__name__}" for n, p in engine.proposers.items()),
+            "device": str(engine.device), "threads": torch.get_num_threads(), "cpu": cpu_model(),
+            "trees": [repr(TreeConfig()), repr(DFlashTreeConfig()), DFlashTreeConfig.DEFAULT_NODES],
+            "version": __version__, "prompt": CALIBRATION_PROMPT}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached_round_seconds(engine, cache_dir: Path | None = DEFAULT_CACHE) -> dict[str, float]:
+    """measure_round_seconds once per calibration_key in `cache_dir` (None: measure every time). An unreadable or
+    malformed entry is measured again; an unwritable cache only costs the next load a calibration."""
+    if cache_dir is None:
+        return measure_round_seconds(engine)
+    path = Path(cache_dir) / f"{calibration_key(engine)}.json"
+    try:
+        costs = {k: float(v) for k, v in json.loads(path.read_text())["round_seconds"].items()}
+        if costs and all(c > 0 for c in costs.values()):
+            return costs
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    costs = measure_round_seconds(engine)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump({"round_seconds": costs, "threads": torch.get_num_threads(), "cpu": cpu_model()}, f)
+        os.replace(f.name, path)
+    except OSError:
+        pass
+    return costs
 
 
 def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_tokens: int = 4) -> dict[str, float]:

@@ -1,0 +1,58 @@
+"""The throughput router's round costs: measured at an engine's first load on a machine, read back at later loads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tiny_drafters import build_tiny_engine, save_drafters
+from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.runtime.round_costs import calibration_key
+from whiflash_trt.spec.router import FEATURES, AcceptancePredictor
+from whiflash_trt.spec.router_file import save_throughput_router
+
+
+@pytest.fixture(scope="module")
+def v2_engine_dir(tmp_path_factory, tiny_checkpoint):
+    folder = tmp_path_factory.mktemp("v2-router")
+    costs = {"none": 1.0, "eagle3": 2.0, "dflash": 2.0}
+    save_throughput_router(AcceptancePredictor(4, len(FEATURES)), folder / "router.safetensors", 1.0,
+                           {"eagle3": 0.0, "dflash": 0.0}, costs, 0.5, 0.0)
+    target = tiny_checkpoint("spec")
+    return build_tiny_engine(target, folder / "engine", router=folder / "router.safetensors",
+                             **save_drafters(folder, target, router=False))
+
+
+def test_costs_are_measured_once_and_read_back(v2_engine_dir, tmp_path):
+    first = Engine.load(v2_engine_dir, round_costs_cache=tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert [f.stem for f in files] == [calibration_key(first)]
+    assert set(first.round_seconds) == {"none", "eagle3", "dflash"} and min(first.round_seconds.values()) > 0
+    # two measurements never agree to the last bit: equal costs mean the second load read the first's
+    again = Engine.load(v2_engine_dir, round_costs_cache=tmp_path)
+    assert again.round_seconds == first.round_seconds
+    fresh = Engine.load(v2_engine_dir, round_costs_cache=None)
+    assert fresh.round_seconds != first.round_seconds
+
+
+def test_the_key_changes_with_what_the_costs_depend_on(v2_engine_dir, tmp_path):
+    engine = Engine.load(v2_engine_dir, round_costs_cache=tmp_path)
+    key = calibration_key(engine)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert calibration_key(engine) != key
+    finally:
+        torch.set_num_threads(threads)
+    assert calibration_key(engine) == key
+
+
+@pytest.mark.parametrize("content", ["not json", json.dumps({"round_seconds": {"none": -1.0}}), json.dumps([1])])
+def test_a_bad_cache_entry_is_measured_again(v2_engine_dir, tmp_path, content):
+    engine = Engine.load(v2_engine_dir, round_costs_cache=tmp_path)
+    path = tmp_path / f"{calibration_key(engine)}.json"
+    path.write_text(content)
+    again = Engine.load(v2_engine_dir, round_costs_cache=tmp_path)
+    assert min(again.round_seconds.values()) > 0
+    assert json.loads(path.read_text())["round_seconds"] == again.round_seconds
