@@ -232,16 +232,18 @@ class DFlashProposer(Proposer):
         return self.block_logits_many([seq])[0]
 
     @torch.inference_mode()
-    def block_logits_many(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+    def block_logits_many(self, seqs: list[Sequence], depth: int | None = None) -> list[torch.Tensor]:
         """Every sequence's block in one drafter forward, then ONE target lm_head over all their drafts (the
-        weights, the lm_head above all, read once)."""
+        weights, the lm_head above all, read once): [depth, vocab] per sequence, the first `depth` drafts (default
+        all B-1; the whole block is still drafted: its positions attend to each other)."""
         dev, b = self.pool.k.device, self.draft_block_len
+        depth = b - 1 if depth is None else depth
         hidden = self.model.forward_many(
             torch.cat([self.block_embeddings(seq.pending) for seq in seqs]),
             torch.cat([torch.arange(seq.num_committed, seq.num_committed + b, device=dev) for seq in seqs]),
             self.pool.k, self.pool.v, [seq.slots(0, seq.num_committed).to(dev) for seq in seqs])
-        drafts = hidden.view(len(seqs), b, -1)[:, 1:].flatten(0, 1)
-        return list(self.target.logits(drafts).split(b - 1))
+        drafts = hidden.view(len(seqs), b, -1)[:, 1:1 + depth].flatten(0, 1)
+        return list(self.target.logits(drafts).split(depth))
 
     def propose(self, seq: Sequence) -> Proposal:
         return self.propose_many([seq])[0]
@@ -249,7 +251,8 @@ class DFlashProposer(Proposer):
     def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
         """Each block gives the DDTree of max_tree_tokens() nodes; with top_k 1, the chain of its argmax drafts."""
         proposals, nodes = [], self.max_tree_tokens()
-        for seq, logits in zip(seqs, self.block_logits_many(seqs)):
+        # a tree of `nodes` nodes reaches depth nodes - 1 at most: deeper drafts need no lm_head rows
+        for seq, logits in zip(seqs, self.block_logits_many(seqs, min(self.draft_block_len - 1, nodes - 1))):
             if self.tree.top_k == 1:
                 tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist()[:nodes - 1])
             else:
