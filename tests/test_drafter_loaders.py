@@ -147,11 +147,14 @@ def test_throughput_router_file_round_trip_and_clear_errors(tmp_path):
 
     p = AcceptancePredictor(8)
     costs = {"none": 0.07, "eagle3": 0.18, "dflash": 0.13}
+    trees = {"eagle3": {"top_k": 3, "depth": 4, "total_tokens": 6}, "dflash": {"total_tokens": 6, "top_k": None}}
     save_throughput_router(p, tmp_path / "r2.safetensors", 1.1, {"eagle3": 1.5, "dflash": 0.7}, costs, 0.5, 0.05,
-                           entropy_threshold=0.5, entropy_none_threshold=2.0)
+                           entropy_threshold=0.5, entropy_none_threshold=2.0, trees=trees)
     loaded = load_router(tmp_path / "r2.safetensors", 64)     # v2 does not read the hidden state: any size
     assert (loaded.version, loaded.threshold, loaded.relax, loaded.round_seconds) == (2, 1.1, 0.05, costs)
-    assert (loaded.entropy_threshold, loaded.entropy_none_threshold) == (0.5, 2.0)
+    assert (loaded.entropy_threshold, loaded.entropy_none_threshold, loaded.trees) == (0.5, 2.0, trees)
+    save_throughput_router(p, tmp_path / "untreed.safetensors", 1.1, {}, costs, 0.5, 0.05)   # files before trees
+    assert load_router(tmp_path / "untreed.safetensors", 64).trees == {}
     x = torch.randn(3, len(FEATURES))
     assert torch.allclose(loaded.predictor(x), p(x))
     v1 = tmp_path / "r1.safetensors"
@@ -166,3 +169,7 @@ def test_throughput_router_file_round_trip_and_clear_errors(tmp_path):
     save_file(state, str(tmp_path / "other.safetensors"), metadata=meta)
     with pytest.raises(CheckpointError, match="trained on features"):
         load_router(tmp_path / "other.safetensors", 64)
+    meta |= {"features": ",".join(FEATURES), "trees": "[1, 2]"}
+    save_file(state, str(tmp_path / "bad-trees.safetensors"), metadata=meta)
+    with pytest.raises(CheckpointError, match="trees must be a JSON object"):
+        load_router(tmp_path / "bad-trees.safetensors", 64)

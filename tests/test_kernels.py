@@ -132,8 +132,13 @@ def test_paged_attention_rows_do_not_depend_on_the_call(num_threads):
 def test_paged_attention_rejects_bad_inputs():
     q, k, v, k_pool, v_pool = pools_and_queries(torch.float32, rows=2)
     write, row_len = torch.tensor([0, 1]), torch.tensor([2, 2])
-    with pytest.raises(RuntimeError, match="outside the pool"):
-        kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, torch.tensor([[0, 300], [0, 1]]), row_len, 1.0)
+    for bad in (300, -1):
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, torch.tensor([[0, bad], [0, 1]]), row_len, 1.0)
+    # slots past a row's length are never read: padding may hold anything
+    padded = kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, torch.tensor([[0, -1], [0, 1]]),
+                                     torch.tensor([1, 2]), 1.0)
+    assert torch.isfinite(padded).all()
     with pytest.raises(RuntimeError, match="between 1 and W"):
         kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, torch.tensor([[0, 1], [0, 1]]),
                                 torch.tensor([0, 2]), 1.0)

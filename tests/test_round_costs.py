@@ -1,4 +1,5 @@
-"""The throughput router's round costs: measured at an engine's first load on a machine, read back at later loads."""
+"""The throughput router file at load: round costs measured at an engine's first load on a machine and read back at
+later loads; a warning when a request drafts other trees than the router was fit for."""
 from __future__ import annotations
 
 import json
@@ -56,3 +57,27 @@ def test_a_bad_cache_entry_is_measured_again(v2_engine_dir, tmp_path, content):
     again = Engine.load(v2_engine_dir, round_costs_cache=tmp_path)
     assert min(again.round_seconds.values()) > 0
     assert json.loads(path.read_text())["round_seconds"] == again.round_seconds
+
+
+def test_the_engine_says_once_when_a_request_drafts_other_trees_than_the_router_was_fit_for(tmp_path,
+                                                                                            tiny_checkpoint, capsys):
+    from whiflash_trt.config import SpecConfig, TreeConfig
+
+    target = tiny_checkpoint("spec")
+    drafters = save_drafters(tmp_path, target, router=False)
+    probe = Engine.load(build_tiny_engine(target, tmp_path / "probe", **drafters), round_costs_cache=tmp_path)
+    fitted = probe.tree_shapes(SpecConfig(mode="whiflash"))
+    assert fitted["eagle3"] == {"top_k": 3, "depth": 4, "total_tokens": 6} and fitted["dflash"]["top_k"] is None
+    save_throughput_router(AcceptancePredictor(4, len(FEATURES)), tmp_path / "router.safetensors", 1.0,
+                           {"eagle3": 0.0, "dflash": 0.0}, {"none": 1.0, "eagle3": 2.0, "dflash": 2.0}, 0.5, 0.0,
+                           trees=fitted)
+    engine = Engine.load(build_tiny_engine(target, tmp_path / "engine", router=tmp_path / "router.safetensors",
+                                           **drafters), round_costs_cache=tmp_path)
+    capsys.readouterr()
+    engine.router_for(SpecConfig(mode="whiflash", router="neural"))
+    assert capsys.readouterr().err == ""
+    other = SpecConfig(mode="whiflash", router="neural", tree=TreeConfig(top_k=2, depth=3, total_tokens=5))
+    engine.router_for(other)
+    engine.router_for(other)
+    err = capsys.readouterr().err
+    assert err.count("the router was fit for draft trees") == 1 and '"total_tokens": 5' in err

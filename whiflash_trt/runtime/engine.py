@@ -6,7 +6,10 @@ decoding (`ar`) is the round with an empty draft. Only commit changes the Sequen
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +56,7 @@ class Engine:
             name: PROPOSERS[name](m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
         # The throughput router (a v2 router file) weighs each choice by its seconds per round on this machine.
         self.round_seconds: dict[str, float] = {}
+        self._warned_trees: set[str] = set()
         if self.router_file is not None and self.router_file.version == 2 and len(self.proposers) == 2:
             self.round_seconds = cached_round_seconds(self, round_costs_cache)
 
@@ -124,6 +128,7 @@ class Engine:
             threshold = f.threshold if spec.threshold is None else spec.threshold
             if f.version == 1:
                 return NeuralRouter(f.mlp.to(self.device), threshold)
+            self._check_router_trees(spec)
             return ThroughputRouter(f.predictor, self.round_seconds or f.round_seconds, threshold, f.priors,
                                     f.alpha, f.relax)
         f = self.router_file
@@ -132,6 +137,26 @@ class Engine:
         if spec.threshold is not None:   # an explicit threshold: the two-way rule it names
             return EntropyRouter(spec.threshold)
         return EntropyRouter(default, none_threshold=f.entropy_none_threshold if f is not None else math.inf)
+
+    def tree_shapes(self, spec: SpecConfig) -> dict[str, dict]:
+        """The draft trees `spec` makes each drafter of this engine grow, as a router file records them."""
+        shapes = {}
+        if EAGLE3 in self.proposers:
+            shapes[EAGLE3] = dataclasses.asdict(spec.tree)
+        if DFLASH in self.proposers:
+            df = self.proposers[DFLASH].for_spec(spec)
+            shapes[DFLASH] = {"total_tokens": df.max_tree_tokens(), "top_k": spec.dflash_tree.top_k}
+        return shapes
+
+    def _check_router_trees(self, spec: SpecConfig) -> None:
+        """Say once per tree shape when the router was fit for other draft trees: its predicted acceptance (and so
+        its choices) may then be off, though output stays exact."""
+        fitted, shapes = self.router_file.trees, self.tree_shapes(spec)
+        key = json.dumps(shapes, sort_keys=True)
+        if fitted and fitted != shapes and key not in self._warned_trees:
+            self._warned_trees.add(key)
+            print(f"whiflash: the router was fit for draft trees {json.dumps(fitted, sort_keys=True)} and this "
+                  f"request drafts {key}: its routing may be off (retrain it: whiflash-train router)", file=sys.stderr)
 
     # ----- generation --------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], gen: GenerationConfig,

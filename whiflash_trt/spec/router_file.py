@@ -14,6 +14,9 @@ EAGLE-3, DFlash). Metadata:
     round_seconds     JSON {none, eagle3, dflash: seconds per round} measured where the router was trained; the
                       engine measures its own at load (runtime.round_costs) and uses these only if told to
     entropy_threshold, entropy_none_threshold   the calibrated three-way entropy rule (optional)
+    trees             JSON {eagle3: {top_k, depth, total_tokens}, dflash: {total_tokens, top_k}}: the draft trees
+                      the training states were measured with (optional; files before it have none). The predicted
+                      accepted drafts hold for these shapes only: the engine warns when a request drafts others.
 Any other "format" is refused with an error naming it.
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ class RouterFile:
     relax: float = 0.0
     priors: dict[str, float] = field(default_factory=dict)
     round_seconds: dict[str, float] = field(default_factory=dict)
+    trees: dict[str, dict] = field(default_factory=dict)   # v2: the tree shapes it was fit for ({}: not recorded)
 
 
 def save_router(mlp: RouterMLP, path: str | Path, threshold: float, entropy_threshold: float | None = None) -> None:
@@ -56,12 +60,14 @@ def save_router(mlp: RouterMLP, path: str | Path, threshold: float, entropy_thre
 def save_throughput_router(predictor: AcceptancePredictor, path: str | Path, threshold: float,
                            priors: dict[str, float], round_seconds: dict[str, float], alpha: float, relax: float,
                            entropy_threshold: float | None = None,
-                           entropy_none_threshold: float = math.inf) -> None:
+                           entropy_none_threshold: float = math.inf, trees: dict[str, dict] | None = None) -> None:
     """A v2 file."""
     meta = {"format": FORMAT_V2, "features": ",".join(FEATURES), "threshold": repr(float(threshold)),
             "alpha": repr(float(alpha)), "relax": repr(float(relax)), "width": str(predictor.fc1.out_features),
             "priors": json.dumps(priors), "round_seconds": json.dumps(round_seconds),
             "entropy_none_threshold": repr(float(entropy_none_threshold))}
+    if trees:
+        meta["trees"] = json.dumps(trees, sort_keys=True)
     if entropy_threshold is not None:
         meta["entropy_threshold"] = repr(float(entropy_threshold))
     _save(predictor.state_dict(), path, meta)
@@ -128,11 +134,14 @@ def _load_v2(path: Path, state: dict, meta: dict) -> RouterFile:
     try:
         predictor.load_state_dict(state)
         priors, costs = json.loads(meta["priors"]), json.loads(meta["round_seconds"])
+        trees = json.loads(meta.get("trees", "{}"))
+        if not isinstance(trees, dict):
+            raise ValueError(f"trees must be a JSON object, got {meta['trees']!r}")
         return RouterFile(2, float(meta["threshold"]), _optional_float(meta, "entropy_threshold", None),
                           predictor=predictor.eval(),
                           entropy_none_threshold=float(meta.get("entropy_none_threshold", math.inf)),
                           alpha=float(meta["alpha"]), relax=float(meta["relax"]),
                           priors={k: float(v) for k, v in priors.items()},
-                          round_seconds={k: float(v) for k, v in costs.items()})
+                          round_seconds={k: float(v) for k, v in costs.items()}, trees=trees)
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"router weights {path} (v2) are malformed: {e}") from None

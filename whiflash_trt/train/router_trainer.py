@@ -316,7 +316,7 @@ def train_router(engine: Engine, data: TrainingData, out_path: Path, spec: SpecC
     best = chosen["throughput"]
     save_throughput_router(models[(best["alpha"], best["relax"])], out_path, best["threshold"], priors, cost,
                            best["alpha"], best["relax"], chosen["entropy"]["threshold"],
-                           chosen["entropy"]["none_threshold"])
+                           chosen["entropy"]["none_threshold"], trees=engine.tree_shapes(spec))
     return {"format": "whiflash-router-v2", "features": list(FEATURES), "width": width,
             "num_states": len(records), "num_train": len(train), "num_val": len(val), "priors": priors,
             "round_seconds": cost, "fits": fits, "selection": chosen,
