@@ -171,5 +171,13 @@ def test_route_signal_margin_is_top1_minus_top2():
     from whiflash_trt.spec.router import route_signal
 
     s = route_signal(torch.log(torch.tensor([0.6, 0.3, 0.1])), torch.zeros(2), "eagle3", 2)
-    assert abs(s.margin - 0.3) < 1e-5 and abs(s.entropy - entropy_of(torch.log(torch.tensor([0.6, 0.3, 0.1])))) < 1e-6
+    assert abs(s.margin - 0.3) < 1e-5 and abs(s.entropy - 0.8979457) < 1e-5   # -(.6 ln .6 + .3 ln .3 + .1 ln .1)
     assert (s.drafter, s.accepted) == ("eagle3", 2)
+    for seed in range(5):     # against softmax in fp64, vocabulary-sized bf16 logits
+        logits = (torch.randn(49152, generator=torch.Generator().manual_seed(seed)) * 4).bfloat16()
+        p = torch.softmax(logits.double(), 0)
+        top = p.topk(2).values
+        s = route_signal(logits, torch.zeros(2))
+        assert abs(s.entropy - float(-(p * p.log()).sum())) < 1e-4 and abs(s.margin - float(top[0] - top[1])) < 1e-6
+    assert route_signal(torch.tensor([2.0, 2.0, 0.0]), torch.zeros(2)).margin == 0.0     # a tie
+    assert route_signal(torch.tensor([3.0]), torch.zeros(2)).margin == 1.0
