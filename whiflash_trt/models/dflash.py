@@ -119,6 +119,7 @@ class DFlashDrafter(nn.Module, DFlash):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self._kv_weights = self._stacked_kv_weights()   # frozen from here on: stacked once, not per catch-up
 
     def forward(
         self,
@@ -139,12 +140,14 @@ class DFlashDrafter(nn.Module, DFlash):
             x = layer(x, cos, sin, k_cache[i], v_cache[i], reads)
         return self.norm(x)
 
-    def kv_only(self, feats: torch.Tensor, positions: torch.Tensor):
+    def _stacked_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = [layer.self_attn for layer in self.layers]
+        return (torch.stack([a.k_proj.weight for a in attn]), torch.stack([a.v_proj.weight for a in attn]),
+                torch.stack([a.k_norm.weight for a in attn]))
+
+    def kv_only(self, feats: torch.Tensor, positions: torch.Tensor):
         cos, sin = self.rotary(positions, feats.dtype)
         empty = feats.new_empty(feats.shape[0], 0)
-        return kv_only_prefill(feats, self.fc.weight, self.hidden_norm.weight, empty, empty[0],
-                               torch.stack([a.k_proj.weight for a in attn]),
-                               torch.stack([a.v_proj.weight for a in attn]),
-                               torch.stack([a.k_norm.weight for a in attn]), cos[:, 0], sin[:, 0],
-                               self.config.rms_norm_eps)
+        k_weight, v_weight, k_norm_weight = getattr(self, "_kv_weights", None) or self._stacked_kv_weights()
+        return kv_only_prefill(feats, self.fc.weight, self.hidden_norm.weight, empty, empty[0], k_weight, v_weight,
+                               k_norm_weight, cos[:, 0], sin[:, 0], self.config.rms_norm_eps)

@@ -34,6 +34,7 @@ maps the node to.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 OP_NAME = "whiflash::kv_only_prefill"
 PLUGIN_NAME = "WhiflashKVOnlyPrefill"   # TensorRT plugin / ONNX op_type
@@ -53,8 +54,11 @@ def kv_only_prefill_reference(feats, fc_weight, hidden_norm_weight, embeds, inpu
     x = torch.cat([_rms(embeds, input_norm_weight, eps), h], -1) if embeds.shape[-1] else h  # [T, Din]
     t, d = feats.shape[0], cos.shape[-1]
     num_layers, kv_dim = k_weight.shape[0], k_weight.shape[1]
-    k = torch.einsum("td,lkd->ltk", x, k_weight).reshape(num_layers, t, kv_dim // d, d)
-    v = torch.einsum("td,lkd->ltk", x, v_weight).reshape(num_layers, t, kv_dim // d, d)
+
+    def project(w: torch.Tensor) -> torch.Tensor:   # every layer in one GEMM (~3x faster than einsum's bmm here)
+        y = F.linear(x, w.reshape(num_layers * kv_dim, -1))                        # [T, L * KV * D]
+        return y.view(t, num_layers, kv_dim // d, d).transpose(0, 1)
+    k, v = project(k_weight), project(v_weight)
     if k_norm_weight.shape[-1]:
         k = _rms(k, k_norm_weight[:, None, None, :], eps)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
