@@ -51,16 +51,19 @@ def assert_same_as_alone(engine: Engine, work: list[tuple], batched: list) -> No
     assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_batched_greedy_equals_each_request_alone(spec_engine_dir, dtype):
-    engine = Engine.load(spec_engine_dir, dtype=dtype)
+@pytest.mark.parametrize("build", ["torch-fp32", "torch-bf16", "compiled-bf16"])
+def test_batched_greedy_equals_each_request_alone(request, spec_engine_dir, build):
+    engine = (Engine.load(request.getfixturevalue("compiled_spec_engine_dir")) if build == "compiled-bf16" else
+              Engine.load(spec_engine_dir, dtype=build.split("-")[1]))
     work = jobs(engine, 12, seed=1)
     assert_same_as_alone(engine, work, run_batched(engine, work, max_running=4))
 
 
-def test_batched_sampling_draws_from_each_requests_own_generator(spec_engine):
-    work = jobs(spec_engine, 8, seed=2, sampling=True)
-    assert_same_as_alone(spec_engine, work, run_batched(spec_engine, work, max_running=8, join_every=1))
+@pytest.mark.parametrize("build", ["spec_engine", "compiled_spec_engine"])
+def test_batched_sampling_draws_from_each_requests_own_generator(request, build):
+    engine = request.getfixturevalue(build)
+    work = jobs(engine, 8, seed=2, sampling=True)
+    assert_same_as_alone(engine, work, run_batched(engine, work, max_running=8, join_every=1))
 
 
 def test_requests_wait_for_kv_memory_and_one_that_never_fits_is_refused(spec_engine_dir):

@@ -110,16 +110,27 @@ def _target_next_probs(engine, ids: list[int]) -> torch.Tensor:
                                   SpecConfig("whiflash", "entropy", 1.5)],
                          ids=["ar", "eagle3", "dflash", "dflash-chain", "dflash-ddtree-10", "whiflash"])
 def test_engine_sampling_matches_target_distribution(spec_engine, spec):
+    _check_two_token_distribution(spec_engine, spec)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("eagle3"), SpecConfig("dflash"), SpecConfig("whiflash", "entropy", 1.5)],
+                         ids=["eagle3", "dflash", "whiflash"])
+def test_compiled_engine_sampling_matches_target_distribution(compiled_spec_engine, spec):
+    _check_two_token_distribution(compiled_spec_engine, spec)
+
+
+def _check_two_token_distribution(engine, spec: SpecConfig) -> None:
+    """400 seeded two-token samples against the target's own two-step distribution (chi-square)."""
     prompt = [5, 17, 42, 8]
-    p1 = _target_next_probs(spec_engine, prompt)
+    p1 = _target_next_probs(engine, prompt)
     support = p1.nonzero().flatten().tolist()
     joint = {(a, b): float(p1[a] * q) for a in support
-             for b, q in enumerate(_target_next_probs(spec_engine, prompt + [a]).tolist()) if q > 0}
+             for b, q in enumerate(_target_next_probs(engine, prompt + [a]).tolist()) if q > 0}
     cells = sorted(joint)
     counts = torch.zeros(len(cells), dtype=torch.float64)
     n = 400
     for seed in range(n):
-        out = spec_engine.generate(prompt, GenerationConfig(max_new_tokens=2, ignore_eos=True,
-                                                            sampling=SamplingConfig(0.8, 3, 0.95, seed)), spec=spec)
+        out = engine.generate(prompt, GenerationConfig(max_new_tokens=2, ignore_eos=True,
+                                                       sampling=SamplingConfig(0.8, 3, 0.95, seed)), spec=spec)
         counts[cells.index(tuple(out.token_ids))] += 1
     assert chi_square_p(counts, torch.tensor([joint[c] for c in cells], dtype=torch.float64)) > 1e-3
