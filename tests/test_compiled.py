@@ -1,4 +1,4 @@
-"""The compiled backend (builder/compile_target.py, runtime/backends/compiled.py): the AOTInductor package of the
+"""The compiled backend (builder/compile_target.py, compile_eagle3.py, runtime/backends/compiled.py): the AOTInductor package of the
 target step gives rows that do not depend on the rest of the call, and the tokens of the eager engine."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from whiflash_trt.config import GenerationConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.manifest import MANIFEST
 from whiflash_trt.models.contracts import Segment
-from whiflash_trt.runtime.backends.compiled import CompiledTarget
+from whiflash_trt.runtime.backends.compiled import CompiledEagle3, CompiledTarget
 from whiflash_trt.runtime.engine import Engine
 
 
@@ -25,6 +25,32 @@ def test_the_build_writes_the_package_and_kernels_and_loads_them(compiled_spec_e
     assert (compiled_spec_engine_dir / manifest["kernels"]["path"]).is_file()
     assert isinstance(compiled_spec_engine.target, CompiledTarget)
     assert manifest["compiled"]["target"]["capture_layers"] == manifest["capture_layers"]
+    assert (compiled_spec_engine_dir / manifest["compiled"]["eagle3"]["path"]).is_file()
+    assert isinstance(compiled_spec_engine.proposers["eagle3"].model, CompiledEagle3)
+
+
+def test_the_compiled_draft_step_matches_the_eager_module(compiled_spec_engine):
+    """Tree rows of several sequences over scattered slots: the package's hidden states and log-probabilities
+    against the fused module's own forward (inductor may round differently in the last place: drafts, not output)."""
+    model = compiled_spec_engine.proposers["eagle3"].model
+    cfg = model.config
+    torch.manual_seed(0)
+    slots = torch.randperm(100)
+    segments = [Segment(slots[:40], torch.ones(3, 40, dtype=torch.bool).tril(diagonal=37)),
+                Segment(slots[40:61], torch.rand(2, 21) < 0.7)]
+    segments[1].mask[:, 0] = True
+    args = (torch.randn(5, cfg.hidden_size).bfloat16(), torch.randn(5, cfg.hidden_size).bfloat16(),
+            torch.tensor([37, 38, 39, 20, 20]))
+    pools = [torch.randn(1, 128, cfg.num_kv_heads, cfg.head_dim).bfloat16() for _ in range(2)]
+    pools += [p.clone() for p in pools]
+    write = torch.tensor([100, 101, 102, 103, 104])
+    with torch.inference_mode():
+        out, logprobs = model.draft_step(*args, pools[0], pools[1], write, segments)
+        ref = model.eager.forward_segments(*args, pools[2], pools[3], write, segments)
+        ref_logprobs = model.eager.draft_logprobs(ref)
+    assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(logprobs, ref_logprobs, atol=2e-2)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])   # the same K/V written
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])

@@ -1,6 +1,7 @@
 """`whiflash-build`: turn a target checkpoint into an engine directory (see whiflash_trt.manifest)."""
 from __future__ import annotations
 
+import copy
 import shutil
 import sys
 import time
@@ -126,9 +127,11 @@ def add_kernels(engine_dir: Path, required: bool) -> dict:
             "ops": ["whiflash::linear_bf16", "whiflash::paged_attention"]}
 
 
-def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engine_dir: Path,
+def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engine_dir: Path, drafters: dict,
                         show_progress: bool) -> dict:
-    """The manifest's compiled section: the target step compiled ahead of time (~1 minute on 2 cores)."""
+    """The manifest's compiled section: the target step and EAGLE-3's draft step compiled ahead of time (~1 minute
+    on 2 cores)."""
+    from whiflash_trt.builder.compile_eagle3 import compile_eagle3
     from whiflash_trt.builder.compile_target import compile_target
 
     kernels.load(engine_dir / KERNELS_DIR / kernels.LIBRARY)
@@ -138,7 +141,15 @@ def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engin
     (engine_dir / COMPILED_DIR).mkdir()
     target = instantiate_target(ckpt, torch.bfloat16)
     entry = compile_target(target, capture_layers, engine_dir / COMPILED_DIR / "target.pt2")
-    return {"target": entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}}
+    section = {"target": entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}}
+    if EAGLE3 in drafters:
+        if show_progress:
+            print("compiling EAGLE-3's draft step", file=sys.stderr, flush=True)
+        drafter = copy.deepcopy(drafters[EAGLE3]).to(torch.bfloat16).requires_grad_(False).eval()
+        drafter.fuse_projections()   # the engine's layout, over the kernels loaded above
+        entry = compile_eagle3(drafter, engine_dir / COMPILED_DIR / "eagle3.pt2")
+        section[EAGLE3] = entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}
+    return section
 
 
 def resolve_backend(opts: BuildOptions) -> str:
@@ -205,7 +216,7 @@ def build_engine(opts: BuildOptions) -> Path:
             backend = "torch"
         if backend == "compiled":
             graphs["compiled"] = add_compiled_target(Checkpoint(cfg, state, ckpt.source), capture_layers, tmp,
-                                                     opts.show_progress)
+                                                     drafters, opts.show_progress)
         if backend == "tensorrt":
             graphs["tensorrt"] = build_tensorrt_engines(tmp, graphs["onnx"], cfg.max_position_embeddings,
                                                         opts.block_size, opts.show_progress)

@@ -13,12 +13,13 @@ from whiflash_trt.config import AUTO
 from whiflash_trt.manifest import MANIFEST
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
+LAYOUT = 2   # what a default engine holds; raised when that changes (2: EAGLE-3's draft step compiled too)
 
 
 def default_engine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
-    # the kernels' version too: an engine built before them (or for another torch) is not reused
+    # the kernels' version and the layout too: an engine built before them (or for another torch) is not reused
     engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16-{bundled_for(DEFAULT_TARGET).version()}" \
-        f"-{kernels.version()}"
+        f"-{kernels.version()}-l{LAYOUT}"
     if not (engine_dir / MANIFEST).is_file():
         print(f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)", file=sys.stderr)
         build_engine(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16", backend=AUTO))

@@ -87,6 +87,14 @@ class Eagle3(Protocol):
 
     def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def draft_step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor,
+                   segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft depth: forward_segments, then draft_logprobs of its output -> (out hidden [T, H], log-probs
+        [T, draft_vocab]). The compiled backend runs both as one graph."""
+        out = self.forward_segments(embeds, hidden, positions, k_cache, v_cache, write_slots, segments)
+        return out, self.draft_logprobs(out)
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
 
     def kv_only(self, feats: torch.Tensor, embeds: torch.Tensor,

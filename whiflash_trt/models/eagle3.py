@@ -13,7 +13,7 @@ from torch import nn
 
 from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig, RopeConfig
-from whiflash_trt.models.attention import attention_keys
+from whiflash_trt.models.attention import KeyLayout, RowKeys, attention_keys
 from whiflash_trt.models.contracts import Eagle3, Segment
 from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU
 from whiflash_trt.models.target import Attention
@@ -112,10 +112,16 @@ class Eagle3Drafter(nn.Module, Eagle3):
     def forward_segments(self, embeds, hidden, positions, k_cache, v_cache, write_slots,
                          segments: list[Segment]) -> torch.Tensor:
         """Several sequences' draft steps in one call: the rows of segments[i] see only its keys."""
+        keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, self.kernel_attention)
+        return self.forward_keys(embeds, hidden, positions, k_cache, v_cache, write_slots, keys)
+
+    def forward_keys(self, embeds, hidden, positions, k_cache, v_cache, write_slots,
+                     keys: KeyLayout | RowKeys) -> torch.Tensor:
+        """forward_segments with every row's keys laid out already (attention_keys): tensors only for RowKeys, the
+        graph builder/compile_eagle3.py exports."""
         layer = self.midlayer
         cos, sin = self.rotary(positions, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, self.kernel_attention)
         h = hidden + layer.self_attn(x, cos, sin, k_cache, v_cache, 0, write_slots, keys)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -97,21 +97,21 @@ class Eagle3Proposer(Proposer):
         searches = [_TreeSearch(seq, seq.slots(0, seq.num_committed + scratch).to(dev)) for seq in seqs]
         # Root: the full layer at position N-1 on (fc(F_{N-1}), b); it also writes that position's K/V.
         feats = torch.cat([s.seq.features_between(s.n - 1, s.n) for s in searches])[:, self.cols]
-        h = model.forward_segments(
+        h, logprobs = model.draft_step(
             embed(torch.tensor([s.seq.pending for s in searches], device=dev)), model.fc(feats),
             torch.tensor([s.n - 1 for s in searches], device=dev), self.pool.k, self.pool.v,
             torch.cat([s.read[s.n - 1:s.n] for s in searches]),
             [Segment(s.read[:s.n], torch.ones(1, s.n, dtype=torch.bool, device=dev)) for s in searches])
-        top = torch.topk(model.draft_logprobs(h), k)
+        top = torch.topk(logprobs, k)
         for i, s in enumerate(searches):
             s.start(model.to_target_ids(top.indices[i]).tolist(), top.values[i].tolist(), h[i:i + 1].expand(k, -1))
         for step in range(1, self.tree.depth):
             steps = [s.step_inputs(step, k, scratch) for s in searches]   # (tokens, positions, write, segment)
-            out = model.forward_segments(
+            out, logprobs = model.draft_step(
                 embed(torch.tensor([t for tokens, *_ in steps for t in tokens], device=dev)),
                 torch.cat([s.level_hidden for s in searches]), torch.cat([p for _, p, _, _ in steps]), self.pool.k,
                 self.pool.v, torch.cat([w for _, _, w, _ in steps]), [seg for *_, seg in steps])
-            child = torch.topk(model.draft_logprobs(out), k, dim=-1)   # [rows of every sequence, k]
+            child = torch.topk(logprobs, k, dim=-1)   # [rows of every sequence, k]
             child_ids = model.to_target_ids(child.indices)
             first = 0
             for s in searches:

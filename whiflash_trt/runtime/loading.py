@@ -2,6 +2,7 @@
 (whiflash-train). Either way the result is one EngineParts record, the Engine's only input besides its KV budget."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,5 +121,10 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
     target = instantiate_target(Checkpoint(manifest.model, state, str(weights)), torch_dtype, device)
     if backend == "compiled":
         target = compiled_target(engine_dir, manifest, target, torch_dtype, device)
-    return checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],
-                            paths["router"], manifest)
+    parts = checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],
+                             paths["router"], manifest)
+    entry = manifest.compiled.get(EAGLE3)
+    if backend == "compiled" and entry is not None and parts.eagle3 is not None:   # engines before it have none
+        from whiflash_trt.runtime.backends.compiled import CompiledEagle3
+        parts = dataclasses.replace(parts, eagle3=CompiledEagle3(parts.eagle3, engine_dir / entry["path"]))
+    return parts

@@ -1,5 +1,6 @@
 """The "compiled" backend: the target step runs the AOTInductor package whiflash-build made
-(builder/compile_target.py); embeddings, the LM head of drafted rows and the drafters stay the torch modules. The
+(builder/compile_target.py), and so does EAGLE-3's draft step where the engine carries one (builder/compile_eagle3.py);
+embeddings, the LM head of drafted rows, EAGLE-3's fc and KV-only prefill, and DFlash stay the torch modules. The
 package's rows are row-invariant like the eager step's but may differ from them in the last place, so every step of
 an engine runs the package: the engine only asks for the captures it was compiled with (another capture, for a tool,
 runs the eager module)."""
@@ -10,7 +11,8 @@ from pathlib import Path
 import torch
 
 from whiflash_trt.models.attention import row_keys
-from whiflash_trt.models.contracts import Segment, Target, TargetOutput, feature_columns
+from whiflash_trt.models.contracts import Eagle3, Segment, Target, TargetOutput, feature_columns
+from whiflash_trt.models.eagle3 import Eagle3Drafter
 from whiflash_trt.models.target import TargetModel
 
 
@@ -52,3 +54,37 @@ class CompiledTarget(Target):
             feats = captured[0] if tuple(capture_layers) == self.capture_layers else captured[0][
                 :, feature_columns(tuple(capture_layers), self.capture_layers, self.config.hidden_size)]
         return TargetOutput(logits, hidden, feats)
+
+
+class CompiledEagle3(Eagle3):
+    """An engine's EAGLE-3 (fused, on the kernels) whose draft_step runs the package; the rest is the module."""
+
+    def __init__(self, eager: Eagle3Drafter, package: Path) -> None:
+        self.eager, self.config, self.fc = eager, eager.config, eager.fc
+        self.step = torch._inductor.aoti_load_package(str(package))
+
+    def __getattr__(self, name: str):   # what tools read of the module itself (t2d, midlayer, ...)
+        return getattr(self.eager, name)
+
+    def __call__(self, *args) -> torch.Tensor:
+        return self.eager(*args)
+
+    def forward_segments(self, *args) -> torch.Tensor:
+        return self.eager.forward_segments(*args)
+
+    def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        return self.eager.draft_logprobs(out_hidden)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.eager.to_target_ids(draft_ids)
+
+    def kv_only(self, feats, embeds, positions):
+        return self.eager.kv_only(feats, embeds, positions)
+
+    def draft_step(self, embeds, hidden, positions, k_cache, v_cache, write_slots, segments: list[Segment]):
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the compiled draft step writes the KV pool in place: it must be contiguous")
+        keys = row_keys(segments)
+        inputs = (embeds, hidden, positions, k_cache, v_cache, write_slots, keys.slots, keys.lengths)
+        out, logprobs = self.step(*(t.contiguous() for t in inputs))
+        return out, logprobs

@@ -1,0 +1,58 @@
+"""`whiflash-build --backend compiled`: EAGLE-3's draft step (the midlayer over the tree's rows, the draft head and its
+log-softmax) exported with torch.export and compiled ahead of time by AOTInductor, like the target step
+(builder/compile_target.py, whose inductor settings it shares). One graph serves every depth of every tree: rows,
+keys per row and pool slots are dynamic. fc, the KV-only prefill and the id map stay the torch module.
+
+Measured on this project's 2-core Xeon (SmolLM2's drafter, 3 rows over ~300 keys, 2 threads): 0.70 ms per depth
+eager, 0.44 ms compiled; a default round drafts 4 depths. The compiled output hidden state equalled eager's in that
+run and the log-probabilities differed by 1e-6 (inductor's own reduction order): drafts, not output bits.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from whiflash_trt.builder.compile_target import INDUCTOR_CONFIGS
+from whiflash_trt.models.attention import RowKeys
+from whiflash_trt.models.eagle3 import Eagle3Drafter
+
+
+class Eagle3Step(nn.Module):
+    """The exported signature: tensors only -> (out hidden [T, H], draft log-probs [T, draft_vocab])."""
+
+    def __init__(self, drafter: Eagle3Drafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, embeds, hidden, positions, k_cache, v_cache, write_slots, row_slots, row_len):
+        out = self.drafter.forward_keys(embeds, hidden, positions, k_cache, v_cache, write_slots,
+                                        RowKeys(row_slots, row_len))
+        return out, self.drafter.draft_logprobs(out)
+
+
+def example_inputs(drafter: Eagle3Drafter, rows: int = 3, keys: int = 80, slots: int = 128):
+    """Three tree rows over 80 keys; every input a tensor of its own (see compile_target.example_inputs)."""
+    cfg, dtype = drafter.config, drafter.fc.weight.dtype
+    pool = torch.zeros(1, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    return (torch.zeros(rows, cfg.hidden_size, dtype=dtype), torch.zeros(rows, cfg.hidden_size, dtype=dtype),
+            torch.full((rows,), keys - 1), pool, pool.clone(), torch.arange(keys, keys + rows),
+            torch.arange(keys + rows).repeat(rows, 1), torch.full((rows,), keys + 1))
+
+
+def compile_eagle3(drafter: Eagle3Drafter, path: Path) -> dict:
+    """Export and compile the draft step of an engine's drafter (fused, over the loaded kernels) into the package
+    `path` -> the manifest entry."""
+    if not drafter.kernel_attention:
+        raise ValueError("the compiled draft step runs on the engine's kernels: load them and fuse the drafter first")
+    start = time.perf_counter()
+    max_pos = drafter.config.max_position_embeddings
+    rows, keys = torch.export.Dim("rows", min=1, max=max_pos), torch.export.Dim("keys", min=1, max=max_pos)
+    pool = {1: torch.export.Dim("slots", min=2)}
+    shapes = ({0: rows}, {0: rows}, {0: rows}, pool, pool, {0: rows}, {0: rows, 1: keys}, {0: rows})
+    with torch.no_grad():
+        program = torch.export.export(Eagle3Step(drafter), example_inputs(drafter), dynamic_shapes=shapes)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+    return {"path": path.name, "compile_seconds": round(time.perf_counter() - start, 1)}
