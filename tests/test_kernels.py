@@ -135,6 +135,9 @@ def test_paged_attention_rejects_bad_inputs():
     for bad in (300, -1):
         with pytest.raises(RuntimeError, match="outside the pool"):
             kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, torch.tensor([[0, bad], [0, 1]]), row_len, 1.0)
+    with pytest.raises(RuntimeError, match="write slot is outside"):
+        kernels.paged_attention(q, k, v, k_pool, v_pool, 1, torch.tensor([0, 10 ** 6]), torch.tensor([[0, 1], [0, 1]]),
+                                row_len, 1.0)
     # slots past a row's length are never read: padding may hold anything
     padded = kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, torch.tensor([[0, -1], [0, 1]]),
                                      torch.tensor([1, 2]), 1.0)
