@@ -110,15 +110,21 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
   }
 }
 
+// One layer of the pools: raw pointers, not at::Tensor views (a select costs ~1.5 us of dispatch, 60 a step).
+struct Layer {
+  char* k;
+  char* v;
+  int64_t slots, kv_heads, dim, slot_stride;   // slot_stride in elements
+};
+
 template <typename T, int Vecs>
-void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& row_slots,
-            const at::Tensor& row_len, double scale, at::Tensor& out) {
+void attend(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots, const at::Tensor& row_len,
+            double scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads, width = row_slots.size(1);
-  const int64_t slot_stride = k_pool.stride(0);
+  const int64_t kv_heads = pool.kv_heads, group = heads / kv_heads, width = row_slots.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
+  const T* kp = reinterpret_cast<const T*>(pool.k);
+  const T* vp = reinterpret_cast<const T*>(pool.v);
   const int64_t* sp = row_slots.data_ptr<int64_t>();
   const int64_t* lp = row_len.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -126,38 +132,34 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     std::vector<float> scores(group * width);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / kv_heads, kv = i % kv_heads, first = (t * heads + kv * group) * dim;
-      attend_group<T, Vecs>(qp + first, group, kp + kv * dim, vp + kv * dim, slot_stride, sp + t * width, lp[t],
-                            dim, static_cast<float>(scale), scores.data(), width, op + first);
+      attend_group<T, Vecs>(qp + first, group, kp + kv * dim, vp + kv * dim, pool.slot_stride, sp + t * width,
+                            lp[t], dim, static_cast<float>(scale), scores.data(), width, op + first);
     }
   });
 }
 
 template <typename T>
-void attend_dim(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& row_slots,
-                const at::Tensor& row_len, double scale, at::Tensor& out) {
+void attend_dim(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots, const at::Tensor& row_len,
+                double scale, at::Tensor& out) {
   switch ((q.size(2) + 15) / 16) {
-    case 1: return attend<T, 1>(q, k_pool, v_pool, row_slots, row_len, scale, out);
-    case 2: return attend<T, 2>(q, k_pool, v_pool, row_slots, row_len, scale, out);
-    case 3: return attend<T, 3>(q, k_pool, v_pool, row_slots, row_len, scale, out);
-    case 4: return attend<T, 4>(q, k_pool, v_pool, row_slots, row_len, scale, out);
-    case 5: case 6: return attend<T, 6>(q, k_pool, v_pool, row_slots, row_len, scale, out);
-    case 7: case 8: return attend<T, 8>(q, k_pool, v_pool, row_slots, row_len, scale, out);
-    default: return attend<T, 16>(q, k_pool, v_pool, row_slots, row_len, scale, out);
+    case 1: return attend<T, 1>(q, pool, row_slots, row_len, scale, out);
+    case 2: return attend<T, 2>(q, pool, row_slots, row_len, scale, out);
+    case 3: return attend<T, 3>(q, pool, row_slots, row_len, scale, out);
+    case 4: return attend<T, 4>(q, pool, row_slots, row_len, scale, out);
+    case 5: case 6: return attend<T, 6>(q, pool, row_slots, row_len, scale, out);
+    case 7: case 8: return attend<T, 8>(q, pool, row_slots, row_len, scale, out);
+    default: return attend<T, 16>(q, pool, row_slots, row_len, scale, out);
   }
 }
 
-// pool[write_slots[t]] = rows[t] for every row t: one memcpy of kv_heads * D per row (index_copy_'s dispatch and
+// layer[write_slots[t]] = rows[t] for every row t: one memcpy of kv_heads * D per row (index_copy_'s dispatch and
 // checks cost ~3 us per call, 30 layers x 2 pools a step)
-void write_rows(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& write_slots) {
-  const at::Tensor src = rows.contiguous(), where = write_slots.contiguous();
-  const int64_t n = src.size(0), slot_count = pool.size(0), row_bytes = src.size(1) * src.size(2) * src.element_size();
-  const int64_t* slot = where.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slot_count, "paged_attention: a write slot is outside the pool");
-  auto* dst = static_cast<char*>(pool.data_ptr());
+void write_rows(char* layer, const Layer& pool, const at::Tensor& rows, const int64_t* slot) {
+  const at::Tensor src = rows.contiguous();
+  const int64_t n = src.size(0), row_bytes = src.size(1) * src.size(2) * src.element_size();
+  const int64_t stride = pool.slot_stride * src.element_size();
   const auto* from = static_cast<const char*>(src.data_ptr());
-  const int64_t stride = pool.stride(0) * pool.element_size();
-  for (int64_t t = 0; t < n; ++t) std::memcpy(dst + slot[t] * stride, from + t * row_bytes, row_bytes);
+  for (int64_t t = 0; t < n; ++t) std::memcpy(layer + slot[t] * stride, from + t * row_bytes, row_bytes);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
@@ -168,25 +170,33 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "paged_attention: layer out of range");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "paged_attention: the pools must be contiguous and of one shape");
-  at::Tensor k_pool = k_cache.select(0, layer), v_pool = v_cache.select(0, layer);
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k.scalar_type() == k_pool.scalar_type() &&
-                  v.scalar_type() == k_pool.scalar_type() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+  const int64_t layer_bytes = k_cache.stride(0) * k_cache.element_size();
+  const Layer pool{static_cast<char*>(k_cache.data_ptr()) + layer * layer_bytes,
+                   static_cast<char*>(v_cache.data_ptr()) + layer * layer_bytes, k_cache.size(1), k_cache.size(2),
+                   k_cache.size(3), k_cache.stride(1)};
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "paged_attention: q, k, v and the pools must share one dtype, fp32 or bf16");
-  TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0, "paged_attention: head shapes differ");
-  TORCH_CHECK(q.size(2) <= kMaxDim && q.size(1) / k_pool.size(1) <= kMaxGroup,
+  TORCH_CHECK(q.size(2) == pool.dim && q.size(1) % pool.kv_heads == 0, "paged_attention: head shapes differ");
+  TORCH_CHECK(q.size(2) <= kMaxDim && q.size(1) / pool.kv_heads <= kMaxGroup,
               "paged_attention: head_dim above 256 or more than 16 query heads per KV head is not supported");
   TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == q.size(0) && row_len.numel() == q.size(0) &&
                   row_slots.scalar_type() == at::kLong && row_len.scalar_type() == at::kLong,
               "paged_attention: row_slots [T, W] and row_len [T] int64");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == write_slots.numel() && k.size(1) == k_pool.size(1) &&
-                  k.size(2) == k_pool.size(2) && write_slots.scalar_type() == at::kLong,
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == write_slots.numel() && k.size(1) == pool.kv_heads &&
+                  k.size(2) == pool.dim && write_slots.scalar_type() == at::kLong,
               "paged_attention: k and v [T, kv_heads, D] with one int64 write slot per row");
-  write_rows(k_pool, k, write_slots);
-  write_rows(v_pool, v, write_slots);
+  const at::Tensor where = write_slots.contiguous();
+  const int64_t* write = where.data_ptr<int64_t>();
+  for (int64_t t = 0; t < where.numel(); ++t)
+    TORCH_CHECK(write[t] >= 0 && write[t] < pool.slots, "paged_attention: a write slot is outside the pool");
+  write_rows(pool.k, pool, k, write);
+  write_rows(pool.v, pool, v, write);
   at::Tensor qc = q.contiguous(), slots = row_slots.contiguous(), len = row_len.contiguous();
   // every key a row reads lies in the pool (a plain loop over the visible slots: ~1 ns per key, where aten
   // reductions cost microseconds per layer)
-  const int64_t width = slots.size(1), pool_slots = k_pool.size(0);
+  const int64_t width = slots.size(1), pool_slots = pool.slots;
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = len.data_ptr<int64_t>();
   for (int64_t t = 0; t < len.numel(); ++t) {
@@ -197,9 +207,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   at::Tensor out = at::empty_like(qc);
   if (q.scalar_type() == at::kFloat) {
-    attend_dim<float>(qc, k_pool, v_pool, slots, len, scale, out);
+    attend_dim<float>(qc, pool, slots, len, scale, out);
   } else {
-    attend_dim<at::BFloat16>(qc, k_pool, v_pool, slots, len, scale, out);
+    attend_dim<at::BFloat16>(qc, pool, slots, len, scale, out);
   }
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
