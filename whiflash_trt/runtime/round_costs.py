@@ -11,9 +11,10 @@ gave EAGLE-3 : ar ratios of 2.5-3.0 and DFlash : ar 1.8-2.0 from run to run (the
 Costs grow with the context length and the tree; the calibration fixes both at a short prompt and the default tree
 (a documented limitation). Engine.round_seconds can be set by a caller that measured better ones.
 
-The costs are kept (`cached_round_seconds`) in the user's cache, one small JSON file per engine (its manifest),
-backend, thread count, CPU model, default tree shapes and whiflash-trt version, so that only the first load of an
-engine on a machine pays the calibration (later loads: well under a millisecond); delete the folder to measure again.
+The costs of an engine directory are kept (`cached_round_seconds`) in the user's cache, one small JSON file per
+engine (its manifest), backend, thread count, CPU model, default tree shapes and whiflash-trt version, so that only
+the first load of an engine on a machine pays the calibration (later loads read them back); delete the folder to
+measure again. A machine whose speed changes (a shared host, another load) keeps the ratios of its first load.
 """
 from __future__ import annotations
 
@@ -47,9 +48,10 @@ def calibration_key(engine) -> str:
 
 
 def cached_round_seconds(engine, cache_dir: Path | None = DEFAULT_CACHE) -> dict[str, float]:
-    """measure_round_seconds once per calibration_key in `cache_dir` (None: measure every time). An unreadable or
-    malformed entry is measured again; an unwritable cache only costs the next load a calibration."""
-    if cache_dir is None:
+    """measure_round_seconds once per calibration_key in `cache_dir` (None: measure every time; so is an engine
+    assembled from checkpoints, which has no manifest to name it). An unreadable or malformed entry is measured
+    again; an unwritable cache only costs the next load a calibration."""
+    if cache_dir is None or engine.manifest is None:
         return measure_round_seconds(engine)
     path = Path(cache_dir) / f"{calibration_key(engine)}.json"
     try:

@@ -54,8 +54,8 @@ class RouteSignal:
 def entropy_and_margin(logits: torch.Tensor) -> tuple[float, float]:
     """Entropy (nats) and top-1 minus top-2 probability of softmax(logits [vocab]), from one exp pass:
     H = log S + m - sum_i e_i z_i / S with e = exp(z - max z), S = sum e. A route runs this every round, so no
-    topk (at 49152 entries it alone cost ~100 us, half an ar round's 1%): the runner-up is the max once the top
-    entry is zeroed."""
+    topk (over 49152 entries it alone took ~100 us, more than 1% of an ar round): the runner-up is the max once the
+    top entry is zeroed."""
     z = logits.float()
     top, i = z.max(0)
     e = (z - top).exp_()
