@@ -1,7 +1,9 @@
-"""The engine's bf16 GEMM kernel (whiflash_trt/kernels): the products of F.linear up to one bf16 rounding, and rows
-that do not depend on the other rows of the call or on the thread count (what lossless verification needs)."""
+"""The engine's bf16 GEMM kernel (whiflash_trt/kernels), in both of its inner loops: the products of F.linear up to
+one bf16 rounding, and rows that do not depend on the other rows of the call or on the thread count (what lossless
+verification needs); the loop a process runs is chosen once per CPU."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -18,6 +20,14 @@ pytestmark = pytest.mark.skipif(not kernels.registered(), reason="the kernels ar
 SHAPES = [(960, 576), (577, 64), (200, 1536), (64, 2)]   # out, in: padded and single-block outputs included
 
 
+@pytest.fixture(params=kernels.GEMM_VARIANTS)
+def gemm(request):
+    """Each test using it runs once per GEMM loop; the process's own loop is restored after."""
+    before = kernels.set_gemm(request.param)
+    yield request.param
+    kernels.set_gemm(before)
+
+
 def weights(out_features: int, in_features: int, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
@@ -27,7 +37,7 @@ def weights(out_features: int, in_features: int, bias: bool, seed: int = 0):
 
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_fp32_linear_to_one_rounding(out_features, in_features, bias):
+def test_kernel_matches_fp32_linear_to_one_rounding(gemm, out_features, in_features, bias):
     w, b = weights(out_features, in_features, bias)
     x = torch.randn(7, in_features).bfloat16()
     got = kernels.linear(x, kernels.pack_weight(w), b, out_features)
@@ -39,7 +49,7 @@ def test_kernel_matches_fp32_linear_to_one_rounding(out_features, in_features, b
 
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-def test_kernel_rows_do_not_depend_on_the_call(out_features, in_features, num_threads):
+def test_kernel_rows_do_not_depend_on_the_call(gemm, out_features, in_features, num_threads):
     w, b = weights(out_features, in_features, bias=True)
     packed = kernels.pack_weight(w)
     x = torch.randn(37, in_features).bfloat16()
@@ -64,6 +74,43 @@ def test_frozen_linear_runs_on_the_kernel_only_when_asked():
     assert torch.equal(on(x), kernels.linear(x.view(6, 576), on.kernel_weight, b, 576).view(2, 3, 576))
     assert torch.allclose(on(x).float(), off(x).float(), rtol=2 ** -6, atol=1e-2)
     assert FrozenLinear(w.float()).kernel_weight is None   # fp32 stays on MKL
+
+
+def test_the_gemm_loops_agree_to_one_rounding():
+    w, b = weights(960, 576, bias=True)
+    x = torch.randn(9, 576).bfloat16()
+    packed = kernels.pack_weight(w)
+    out = {}
+    for variant in kernels.GEMM_VARIANTS:
+        before = kernels.set_gemm(variant)
+        try:
+            assert kernels.gemm() == variant
+            out[variant] = kernels.linear(x, packed, b, 960).double()
+        finally:
+            kernels.set_gemm(before)
+    assert torch.allclose(out["fma"], out["dot"], rtol=2 ** -7, atol=1e-3)
+
+
+def test_the_gemm_loop_is_chosen_once_per_cpu_and_can_be_forced(tmp_path, monkeypatch):
+    monkeypatch.delenv(kernels.GEMM_ENV, raising=False)
+    chosen = kernels.choose_gemm(tmp_path)
+    kept = list(tmp_path.rglob("gemm-*.json"))
+    assert chosen in kernels.GEMM_VARIANTS and len(kept) == 1
+    record = json.loads(kept[0].read_text())
+    assert record["variant"] == chosen and set(record["seconds"]) == set(kernels.GEMM_VARIANTS)
+    assert chosen == min(record["seconds"], key=record["seconds"].get)
+    other = next(v for v in kernels.GEMM_VARIANTS if v != chosen)
+    kept[0].write_text(json.dumps({**record, "variant": other}))
+    assert kernels.choose_gemm(tmp_path) == other                  # read back, not measured again
+    kept[0].write_text("not json")
+    assert kernels.choose_gemm(tmp_path) in kernels.GEMM_VARIANTS  # a broken record is measured again
+    monkeypatch.setenv(kernels.GEMM_ENV, "fma")
+    assert kernels.choose_gemm(tmp_path) == "fma"
+    monkeypatch.setenv(kernels.GEMM_ENV, "amx")
+    with pytest.raises(ValueError, match="WHIFLASH_GEMM"):
+        kernels.choose_gemm(tmp_path)
+    with pytest.raises(ValueError, match="GEMM variant"):
+        kernels.set_gemm("amx")
 
 
 def test_kernel_rejects_bad_inputs():

@@ -1,6 +1,7 @@
 """The engine's own CPU kernels, compiled with the machine's C++ compiler into one library an engine directory
 carries, and loaded once per process:
-- linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify;
+- linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with two inner loops (FMA on widened
+  pairs, or VDPBF16PS): `load` gives the process the one that is faster on this CPU (choose_gemm);
 - paged_attention.cpp: attention of each row to its visible keys in a paged KV pool.
 Both give every row the same bits whatever else the call holds (what lossless verification needs).
 
@@ -17,9 +18,11 @@ and the attention models/attention.py's row-invariant torch version.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,19 +34,27 @@ LIBRARY = "whiflash_kernels.so"
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+GEMM_VARIANTS = ("fma", "dot")   # linear_bf16.cpp's inner loops, by their index there
+GEMM_ENV = "WHIFLASH_GEMM"       # forces one of them (tests, comparisons)
 
 
 class KernelBuildError(RuntimeError):
     pass
 
 
-def cpu_supported() -> bool:
-    """The CPU has the instructions the kernel uses (read from /proc/cpuinfo; other systems: no)."""
+def _cpuinfo(field: str) -> str:
+    """The first `field` line of /proc/cpuinfo ('' where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.split(":", 1)[0].strip() == field), "")
+
+
+def cpu_supported() -> bool:
+    """The CPU has the instructions the kernel uses (read from /proc/cpuinfo; other systems: no)."""
+    flags = _cpuinfo("flags").split()
     return all(f in flags for f in CPU_FLAGS)
 
 
@@ -78,15 +89,92 @@ def compile_library(cache_dir: Path) -> Path:
     return library
 
 
-def load(library: Path) -> bool:
-    """Registers the kernel from `library` unless it is registered already (a process holds one); False where the
-    CPU cannot run it."""
+def load(library: Path, cache_dir: Path | None = DEFAULT_CACHE) -> bool:
+    """Registers the kernel from `library` unless it is registered already (a process holds one) and gives the
+    process its GEMM loop (choose_gemm, once); False where the CPU cannot run it."""
+    global _gemm_chosen
     if not cpu_supported():
         return False
     if not registered():   # compile_library's build loads it too
         torch.ops.load_library(str(library))
     _register_shapes()
+    if not _gemm_chosen:
+        set_gemm(choose_gemm(cache_dir))
+        _gemm_chosen = True
     return True
+
+
+_gemm_chosen = False
+
+
+def set_gemm(variant: str) -> str:
+    """Every later linear_bf16 call of this process runs `variant` (GEMM_VARIANTS); returns the previous one. The
+    loops may round differently in the last bit: switch only between generations, never inside one."""
+    if variant not in GEMM_VARIANTS:
+        raise ValueError(f"GEMM variant must be one of {GEMM_VARIANTS}, got {variant!r}")
+    return GEMM_VARIANTS[torch.ops.whiflash.set_gemm_variant(GEMM_VARIANTS.index(variant))]
+
+
+def gemm() -> str:
+    """The GEMM loop this process runs."""
+    return GEMM_VARIANTS[torch.ops.whiflash.gemm_variant()]
+
+
+def choose_gemm(cache_dir: Path | None = DEFAULT_CACHE) -> str:
+    """The faster GEMM loop on this CPU: $WHIFLASH_GEMM where set; else the one measured before on this CPU model
+    (cache_dir/<version>/gemm-<cpu>.json); else measure_gemm now (~0.2 s) and keep the choice there, so that every
+    process on a machine rounds the same way."""
+    forced = os.environ.get(GEMM_ENV)
+    if forced:
+        if forced not in GEMM_VARIANTS:
+            raise ValueError(f"{GEMM_ENV} must be one of {GEMM_VARIANTS}, got {forced!r}")
+        return forced
+    cpu = " / ".join(_cpuinfo(f) for f in ("vendor_id", "cpu family", "model", "model name"))
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / version() / f"gemm-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}.json"
+        try:
+            chosen = json.loads(path.read_text())["variant"]
+            if chosen in GEMM_VARIANTS:
+                return chosen
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    seconds = measure_gemm()
+    chosen = min(seconds, key=seconds.get)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"variant": chosen, "seconds": seconds, "cpu": cpu}))
+        except OSError:
+            pass   # an unwritable cache only costs the next process a measurement
+    return chosen
+
+
+def measure_gemm(rows: tuple[int, ...] = (1, 8), weights: int = 8, repeats: int = 5) -> dict[str, float]:
+    """Seconds of each GEMM loop over `weights` SmolLM2 MLP-shaped weights (3072 x 576 bf16, 28 MB in all: they
+    stream from memory as an engine's do), summed over a decode-like and a verify-like row count (best of
+    `repeats`). Leaves the process's loop as it found it."""
+    gen = torch.Generator().manual_seed(0)
+    packed = [pack_weight(torch.randn(3072, 576, generator=gen).bfloat16()) for _ in range(weights)]
+    xs = [torch.randn(m, 576, generator=gen).bfloat16() for m in rows]
+    before = gemm()
+    seconds = {}
+    try:
+        for variant in GEMM_VARIANTS:
+            set_gemm(variant)
+            total = 0.0
+            for x in xs:
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for p in packed:
+                        linear(x, p, None, 3072)
+                    best = min(best, time.perf_counter() - start)
+                total += best
+            seconds[variant] = total
+    finally:
+        set_gemm(before)
+    return seconds
 
 
 _shapes_registered = False
@@ -110,7 +198,7 @@ def ensure_loaded(cache_dir: Path = DEFAULT_CACHE) -> bool:
     """Compile (once) and load the kernels for a model built outside an engine directory (training data, tests);
     says why on stderr and returns False where they cannot be used here."""
     try:
-        return load(compile_library(cache_dir))
+        return load(compile_library(cache_dir), cache_dir)
     except (KernelBuildError, OSError) as e:
         report_unavailable(str(e))
         return False

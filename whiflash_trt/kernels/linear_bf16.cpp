@@ -5,10 +5,17 @@
 // SmolLM2's linears took 16.3 ms at 1 row and 43 ms at 16 rows with oneDNN, about 13 and 30 ms here). This one reads
 // each weight once per call for up to 6 rows, and from cache for more.
 //
-// Row invariance by construction: every output y[m, n] is one fp32 accumulator lane that adds x[m, 2k] * W[n, 2k]
-// and then x[m, 2k+1] * W[n, 2k+1] with fp32 FMAs for k = 0, 1, ... in order, then the bias, then rounds once to
-// bf16. Nothing depends on M, on the row's place in the call or on the thread count, so a verify row equals the
-// decode row bit for bit (tests/test_kernels.py).
+// Two inner loops (whiflash::set_gemm_variant; kernels/__init__.py picks the faster one per CPU, once per process):
+// - FMA (0): each bf16 pair widened to fp32 (exact), x[m, 2k] * W[n, 2k] and then x[m, 2k+1] * W[n, 2k+1] added with
+//   fp32 FMAs. The faster one where VDPBF16PS is slow (the Xeon above: 1.3 G/s per core against 5.3 G/s of FMAs).
+// - DOT (1): one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in fp32) added to the lane
+//   as the hardware does it (Intel documents odd then even, round to nearest, denormals flushed). Twice the
+//   multiply-adds per instruction and no widening: ~1.8x faster at 6-16 rows on an AMD EPYC (Zen 4).
+//
+// Row invariance by construction, in either loop: every output y[m, n] is one fp32 accumulator lane that adds the
+// pairs k = 0, 1, ... in order, then the bias, then rounds once to bf16. Nothing depends on M, on the row's place in
+// the call or on the thread count, so a verify row equals the decode row bit for bit (tests/test_kernels.py). The
+// two loops may differ in the last bit, so a process must not switch between them while it decodes.
 //
 // The weight is packed once (whiflash_trt/kernels/__init__.py pack_weight): [N/64, K/2, 64] int32, each int32 the
 // bf16 pair W[n, 2k], W[n, 2k+1]: a block of 64 outputs streams as one contiguous run.
@@ -18,6 +25,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -28,30 +36,12 @@ constexpr int64_t kBlock = 64;  // outputs per packed block: four zmm of fp32 ac
 constexpr int kPrefetchBytes = 8192;  // software prefetch (to L2) distance along a block
 constexpr int kTileRows = 6;    // rows of x per pass over a block: 24 accumulators + 2 weights + a mask in 32 zmm
 
-// y[rows, 64 outputs of one block] from x in fp32 (exact: a bf16 is the top half of its fp32), so each x element is
-// one broadcast from memory folded into its FMA, and the FMA ports do little besides FMAs.
+enum Variant : int64_t { kFma = 0, kDot = 1 };
+std::atomic<int64_t> g_variant{kFma};
+
+// acc + bias, rounded to bf16, into y[rows, cols of one block]
 template <int Rows>
-void block_rows(const float* x, int64_t ldx, const int32_t* w, int64_t pairs, const float* bias, uint16_t* y,
-                int64_t ldy, int64_t cols) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m512 acc[Rows][4];
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < pairs; ++k) {
-    const int32_t* wk = w + k * kBlock;
-    for (int j = 0; j < 4; ++j)  // +5-10% over the hardware prefetcher alone (measured, 2 threads)
-      _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + kPrefetchBytes, _MM_HINT_T1);
-    for (int j = 0; j < 4; ++j) {
-      __m512i pair = _mm512_loadu_si512(wk + 16 * j);
-      __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));   // W[n, 2k] as fp32
-      __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));   // W[n, 2k + 1]
-      for (int r = 0; r < Rows; ++r) {
-        const float* xr = x + r * ldx + 2 * k;
-        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd,
-                                    _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, acc[r][j]));
-      }
-    }
-  }
+inline void store_rows(__m512 (&acc)[Rows][4], const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
   for (int j = 0; j < 4; ++j) {
     int64_t left = cols - 16 * j;
     if (left <= 0) break;
@@ -64,9 +54,63 @@ void block_rows(const float* x, int64_t ldx, const int32_t* w, int64_t pairs, co
   }
 }
 
-using BlockFn = void (*)(const float*, int64_t, const int32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
-constexpr BlockFn kBlockFns[kTileRows] = {block_rows<1>, block_rows<2>, block_rows<3>,
-                                          block_rows<4>, block_rows<5>, block_rows<6>};
+inline void prefetch_block(const int32_t* wk) {  // +5-10% over the hardware prefetcher alone (measured, 2 threads)
+  for (int j = 0; j < 4; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + kPrefetchBytes, _MM_HINT_T1);
+}
+
+// FMA loop: y[rows, 64 outputs of one block] from x in fp32 (exact: a bf16 is the top half of its fp32), so each x
+// element is one broadcast from memory folded into its FMA, and the FMA ports do little besides FMAs.
+template <int Rows>
+void fma_rows(const void* xv, int64_t ldx, const int32_t* w, int64_t pairs, const float* bias, uint16_t* y,
+              int64_t ldy, int64_t cols) {
+  const float* x = static_cast<const float*>(xv);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[Rows][4];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    const int32_t* wk = w + k * kBlock;
+    prefetch_block(wk);
+    for (int j = 0; j < 4; ++j) {
+      __m512i pair = _mm512_loadu_si512(wk + 16 * j);
+      __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));   // W[n, 2k] as fp32
+      __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));   // W[n, 2k + 1]
+      for (int r = 0; r < Rows; ++r) {
+        const float* xr = x + r * ldx + 2 * k;
+        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd,
+                                    _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, acc[r][j]));
+      }
+    }
+  }
+  store_rows<Rows>(acc, bias, y, ldy, cols);
+}
+
+typedef int32_t __attribute__((may_alias, aligned(2))) Pair;  // two bf16 of x, read as one int32
+
+// DOT loop: the same block from x as bf16 pairs (one int32 each, broadcast from memory into its VDPBF16PS)
+template <int Rows>
+void dot_rows(const void* xv, int64_t ldx, const int32_t* w, int64_t pairs, const float* bias, uint16_t* y,
+              int64_t ldy, int64_t cols) {
+  const Pair* x = static_cast<const Pair*>(xv);  // ldx counts bf16 elements: a row is ldx / 2 pairs
+  __m512 acc[Rows][4];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    const int32_t* wk = w + k * kBlock;
+    prefetch_block(wk);
+    for (int j = 0; j < 4; ++j) {
+      __m512bh pair = (__m512bh)_mm512_loadu_si512(wk + 16 * j);
+      for (int r = 0; r < Rows; ++r)
+        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)_mm512_set1_epi32(x[r * (ldx / 2) + k]), pair);
+    }
+  }
+  store_rows<Rows>(acc, bias, y, ldy, cols);
+}
+
+using BlockFn = void (*)(const void*, int64_t, const int32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
+constexpr BlockFn kFmaFns[kTileRows] = {fma_rows<1>, fma_rows<2>, fma_rows<3>, fma_rows<4>, fma_rows<5>, fma_rows<6>};
+constexpr BlockFn kDotFns[kTileRows] = {dot_rows<1>, dot_rows<2>, dot_rows<3>, dot_rows<4>, dot_rows<5>, dot_rows<6>};
 
 // bf16 -> fp32 (a bf16 is the top half of its fp32), 16 at a time
 void widen(const uint16_t* from, float* to, int64_t n) {
@@ -90,10 +134,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   TORCH_CHECK(x.size(1) == 2 * pairs, "linear_bf16: x has ", x.size(1), " features, the weight ", 2 * pairs);
   TORCH_CHECK(out_features > (blocks - 1) * kBlock && out_features <= blocks * kBlock,
               "linear_bf16: out_features does not match the packed weight");
-  // x widened to fp32 here (exact), not by aten: a dispatch and an allocation per call cost ~2.5 us, 121 calls a step
   const at::Tensor xb = x.contiguous();
-  std::vector<float> xf(rows * xb.size(1));
-  widen(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), xf.data(), static_cast<int64_t>(xf.size()));
+  const bool dot = g_variant.load(std::memory_order_relaxed) == kDot;
+  // FMA: x widened to fp32 here (exact), not by aten: a dispatch and an allocation per call cost ~2.5 us, 121 calls
+  // a step. DOT reads the bf16 pairs as they are.
+  std::vector<float> xf(dot ? 0 : rows * xb.size(1));
+  if (!dot)
+    widen(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), xf.data(), static_cast<int64_t>(xf.size()));
   at::Tensor pc = packed.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -102,7 +149,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
     b = bias->contiguous();
   }
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  const float* xp = xf.data();
+  const char* xp = dot ? reinterpret_cast<const char*>(xb.data_ptr<at::BFloat16>())
+                       : reinterpret_cast<const char*>(xf.data());
+  const int64_t x_row_bytes = xb.size(1) * (dot ? 2 : 4);
+  const BlockFn* fns = dot ? kDotFns : kFmaFns;
   const int32_t* wp = pc.data_ptr<int32_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -112,20 +162,31 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
       const int64_t col = blk * kBlock, cols = std::min(kBlock, out_features - col);
       for (int64_t r = 0; r < rows; r += kTileRows) {
         const int64_t n = std::min<int64_t>(kTileRows, rows - r);
-        kBlockFns[n - 1](xp + r * ldx, ldx, wp + blk * pairs * kBlock, pairs, bp ? bp + col : nullptr,
-                         yp + r * out_features + col, out_features, cols);
+        fns[n - 1](xp + r * x_row_bytes, ldx, wp + blk * pairs * kBlock, pairs, bp ? bp + col : nullptr,
+                   yp + r * out_features + col, out_features, cols);
       }
     }
   });
   return y;
 }
 
+// The inner loop of every later call in this process (0 FMA, 1 DOT); returns the previous one.
+int64_t set_gemm_variant(int64_t variant) {
+  TORCH_CHECK(variant == kFma || variant == kDot, "set_gemm_variant: 0 (FMA) or 1 (DOT), got ", variant);
+  return g_variant.exchange(variant);
+}
+
+int64_t gemm_variant() { return g_variant.load(); }
+
 }  // namespace
 
 TORCH_LIBRARY(whiflash, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("set_gemm_variant(int variant) -> int", &set_gemm_variant);
+  m.def("gemm_variant() -> int", &gemm_variant);
 }
 
 TORCH_LIBRARY_IMPL(whiflash, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
 }
+

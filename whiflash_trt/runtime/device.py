@@ -41,11 +41,15 @@ def set_threads(n: int) -> None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    """The CPU's model name with its family and model numbers (from /proc/cpuinfo where there is one): names such
+    as "AMD EPYC" cover several generations."""
     try:
+        fields = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+        if fields.get("model name"):
+            return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
     except OSError:
         pass
     return platform.processor() or "unknown"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from whiflash_trt import __version__
+from whiflash_trt import __version__, kernels
 from whiflash_trt.config import AR, DFLASH, EAGLE3, DFlashTreeConfig, GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.runtime.device import cpu_model
 from whiflash_trt.spec.router import NO_DRAFT
@@ -42,6 +42,7 @@ def calibration_key(engine) -> str:
     what = {"manifest": dataclasses.asdict(engine.manifest), "target": type(engine.target).__name__,
             "proposers": sorted(f"{n}:{type(p.model).__name__}" for n, p in engine.proposers.items()),
             "device": str(engine.device), "threads": torch.get_num_threads(), "cpu": cpu_model(),
+            "gemm": kernels.gemm() if kernels.registered() else None,
             "trees": [repr(TreeConfig()), repr(DFlashTreeConfig()), DFlashTreeConfig.DEFAULT_NODES],
             "version": __version__, "prompt": CALIBRATION_PROMPT}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
