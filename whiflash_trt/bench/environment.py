@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from whiflash_trt import __version__
+from whiflash_trt import __version__, kernels
 from whiflash_trt.runtime.device import cpu_model
 
 
@@ -41,7 +41,8 @@ def describe(load_before: list[float] | None) -> dict:
 
     return {
         "machine": {"platform": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0]},
+                    "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
+                    "gemm": kernels.gemm() if kernels.registered() else "oneDNN"},
         "versions": {"whiflash_trt": __version__, "git_commit": git_commit(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
         "load_average": {"before": load_before, "after": load_average(),

@@ -70,7 +70,8 @@ def _setup(r: dict) -> str:
             ["decoding", f"greedy, max {r['generation']['max_new_tokens']} new tokens, "
                          f"{r['generation']['warmup_prompts']} warm-up prompt(s) in every mode, modes interleaved "
                          f"per prompt in rotating order"],
-            ["machine", f"{m['cpu']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads, {m['platform']}"],
+            ["machine", f"{m['cpu']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads, {m['platform']}"
+                        + (f", GEMM loop {m['gemm']}" if "gemm" in m else "")],
             ["load average", f"before {env['load_average']['before']}, after {env['load_average']['after']}"],
             ["versions", ", ".join(f"{k} {val}" for k, val in v.items())],
             ["prompts", f"{p['num']} prompts, digest `{p['digest'][:16]}`"],

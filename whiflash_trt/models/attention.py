@@ -6,8 +6,9 @@ its key split from the key count and treats one query differently from many, so 
 with the shape of the call. Here every reduction a row takes part in has a shape fixed by that row alone:
 - a row's visible keys are laid out in logical order (a tree node: the context, then its ancestors, then itself,
   exactly the keys a chain gives that position) in chunks of CHUNK keys, the last one padded with masked keys;
-- scores q.k and each chunk's sums of p.v and p are fp32 GEMMs of at least MIN_ROWS rows (a one-row GEMM takes a
-  GEMV path that sums in another order; from MIN_ROWS rows up a row does not depend on the row count);
+- scores q.k and each chunk's sums of p.v and p are batches of fp32 GEMMs of exactly GEMM_ROWS rows (MKL sums a row
+  in an order that depends on the row count: on the Intel Xeon a 1-row GEMM differs, on an AMD EPYC Zen 4 a 4-row
+  or larger one; a batched GEMM sums each slice as the lone GEMM does, so a row's bits are fixed);
 - the softmax max is over all visible keys (a max is exact in any order), so chunks need no online rescaling;
 - chunk sums are added strictly in chunk order (cumsum), so the fully masked chunks of a longer call add exact zeros.
 
@@ -27,9 +28,10 @@ from whiflash_trt.models.contracts import Segment
 
 CHUNK = 64       # keys per chunk: every chunk reduction has this length
 ROW_BLOCK = 128  # query rows per pass over the keys (bounds the score memory of a long prefill)
-# MKL's fp32 GEMM sums a row of q.k^T (keys stored [S, D]) alike for any row count from 3 up, and a row of p.v from
-# 2 up; fewer rows take other paths (measured; tests/test_row_invariance.py holds it).
-MIN_ROWS = 3
+# Rows of every fp32 GEMM here: MKL sums a row of q.k^T (keys stored [S, D]) and of p.v alike at 3 rows on every CPU
+# we measured (the Xeon: from 3 up; the EPYC: 1 to 3); tests/test_row_invariance.py holds it.
+GEMM_ROWS = 3
+V_EXTRA = 16     # columns after the values: the ones that sum p, then zeros (a p.v width of D + 16)
 
 
 @dataclass
@@ -43,7 +45,7 @@ class RowBlock:
     shared: int               # logical keys [0, shared) are read keys [0, shared) for every row (multiple of CHUNK)
     tail: torch.Tensor | None  # [B, R, S_pad - shared] read-key index of the later logical keys; None: read order
     tail_scores: torch.Tensor | None  # tail per score row, [B, 1, R * group, S_pad - shared]
-    buffers: dict = field(default_factory=dict)  # "k", "v": [B, kv_heads, W, head_dim (+1)] fp32, filled per layer
+    buffers: dict = field(default_factory=dict)  # "k", "v": [B, kv_heads, W, head_dim (v: + V_EXTRA)] fp32, per layer
 
 
 @dataclass
@@ -170,22 +172,24 @@ def row_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 def _fp32_buffer(pool: torch.Tensor, blk: RowBlock, name: str) -> torch.Tensor:
-    """The block's read keys -> [B, kv, W, D] fp32. The "v" buffer has one more column of ones: the p.v GEMM then
-    also sums p (the softmax denominator) in the same order."""
+    """The block's read keys -> [B, kv, W, D] fp32. The "v" buffer has V_EXTRA more columns, a column of ones and
+    zeros: the p.v GEMM then also sums p (the softmax denominator) in the same order, over a width that is a multiple
+    of 16 (MKL on the EPYC sums a row of a GEMM whose width is not by the row's place in the call)."""
     b, w = blk.slots.shape
     kv, d = pool.shape[1:]
     buf = blk.buffers.get(name)
     if buf is None:
-        buf = pool.new_empty(b, kv, w, d + (name == "v"), dtype=torch.float32)
+        buf = pool.new_zeros(b, kv, w, d + (V_EXTRA if name == "v" else 0), dtype=torch.float32)
         if name == "v":
-            buf[..., -1] = 1
+            buf[..., d] = 1
         blk.buffers[name] = buf
     buf[..., :d].copy_(pool.index_select(0, blk.slots.flatten()).view(b, w, kv, d).transpose(1, 2))
     return buf
 
 
 def _attend(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, blk: RowBlock) -> torch.Tensor:
-    """qf [B, kv, M, D] (M = rows * group, scaled); kf [B, kv, W, D]; vf [B, kv, W, D + 1] -> [B, kv, M, D] fp32."""
+    """qf [B, kv, M, D] (M = rows * group, scaled); kf [B, kv, W, D]; vf [B, kv, W, D + V_EXTRA]
+    -> [B, kv, M, D] fp32."""
     b, kv, m, d = qf.shape
     s_pad = blk.bias.shape[-1]
     chunks, shared_chunks = s_pad // CHUNK, blk.shared // CHUNK
@@ -202,19 +206,22 @@ def _attend(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, blk: RowBlock)
     if blk.tail is not None:  # each row's own later values
         rows, tail_chunks = blk.tail.shape[1], chunks - shared_chunks
         seg = torch.arange(b, device=qf.device)[:, None, None]
-        v_rows = vf.transpose(1, 2)[seg, blk.tail].permute(0, 3, 1, 2, 4)  # [B, kv, R, S_pad - shared, D + 1]
+        v_rows = vf.transpose(1, 2)[seg, blk.tail].permute(0, 3, 1, 2, 4)  # [B, kv, R, S_pad - shared, D + V_EXTRA]
         v_rows = v_rows.unflatten(3, (tail_chunks, CHUNK))
         p_rows = p[:, :, shared_chunks:].unflatten(3, (rows, m // rows)).transpose(2, 3)  # [B, kv, R, tail, group, C]
-        late = _mm(p_rows, v_rows)  # [B, kv, R, tail chunks, group, D + 1]
+        late = _mm(p_rows, v_rows)  # [B, kv, R, tail chunks, group, D + V_EXTRA]
         parts = torch.cat([parts, late.transpose(2, 3).flatten(3, 4)], 2)
-    total = parts.cumsum(2)[:, :, -1]  # chunk sums added in chunk order: [B, kv, M, D + 1]
-    return total[..., :d] / total[..., d:]
+    total = parts.cumsum(2)[:, :, -1]  # chunk sums added in chunk order: [B, kv, M, D + V_EXTRA]
+    return total[..., :d] / total[..., d:d + 1]
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with at least MIN_ROWS rows, so each row is summed as in any larger call."""
-    rows = a.shape[-2]
-    if rows >= MIN_ROWS:
-        return a @ b
-    a = torch.cat([a] + [a[..., :1, :]] * (MIN_ROWS - rows), -2)
-    return (a @ b)[..., :rows, :]
+    """a @ b as a batch of GEMM_ROWS-row GEMMs (the last one padded with copies of a's first row), so each row is
+    summed alike whatever the row count. b is made contiguous: the EPYC's MKL sums a batch over a transposed b by
+    the batch's size."""
+    rows, b = a.shape[-2], b.contiguous()
+    pad = -rows % GEMM_ROWS
+    if pad:
+        a = torch.cat([a, a[..., :1, :].expand(*a.shape[:-2], pad, a.shape[-1])], -2)
+    out = a.unflatten(-2, (-1, GEMM_ROWS)) @ b.unsqueeze(-3)
+    return out.flatten(-3, -2)[..., :rows, :]

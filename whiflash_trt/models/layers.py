@@ -17,9 +17,10 @@ def k_major(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous().t() if w.dtype == torch.float32 else w
 
 
-# Largest row count of one fp32 GEMM: MKL (2 threads) sums rows of 17-100-row calls in another order than rows of
-# 2-16-row calls when in_features is large (1536).
-FP32_ROWS = 16
+# Largest row count of one fp32 GEMM whose rows get the bits of a 2-row call, on every CPU we measured: MKL sums rows
+# of 17-100-row calls in another order on the Intel Xeon (in_features 1536), and of 4-row and larger calls on an AMD
+# EPYC (Zen 4, any shape).
+FP32_ROWS = 3
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,7 +28,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     Measured on this project's CPUs (tests/test_row_invariance.py holds it): oneDNN's bf16 GEMM gives a row the same
     bits for any row count from 2 up, and at 1 row too unless in_features > 1024 (its GEMV path then sums in
-    another order); MKL's fp32 GEMM with input-major weights (k_major) does for 2..FP32_ROWS rows, never at 1 row.
+    another order); MKL's fp32 GEMM with input-major weights (k_major) does for 2..FP32_ROWS rows, and at 1 row on
+    the Xeon never.
     Calls outside those ranges run in row blocks, a lone row as two.
     """
     if x.dim() != 2:  # [..., in]: the rows are every leading index
