@@ -54,6 +54,26 @@ inline __m512 exp16(__m512 x) {
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxDim = 256;
 
+// sum_j p[h][j] v_j for G heads (accumulators in registers), keys in order, p already exp'd; -> acc_out[G][Vecs*16]
+template <typename T, int Vecs, int G>
+void weigh_values(const float* p, int64_t ld, const T* v_pool, int64_t slot_stride, const int64_t* slots,
+                  int64_t keys, int64_t dim, float* acc_out) {
+  __m512 acc[G][Vecs];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < Vecs; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* v = v_pool + slots[j] * slot_stride;
+    __m512 vv[Vecs];
+    for (int i = 0; i < Vecs; ++i) vv[i] = load16(v + 16 * i, lanes(dim - 16 * i));
+    for (int h = 0; h < G; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h * ld + j]);
+      for (int i = 0; i < Vecs; ++i) acc[h][i] = _mm512_fmadd_ps(w, vv[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < Vecs; ++i) _mm512_store_ps(acc_out + (h * Vecs + i) * 16, acc[h][i]);
+}
+
 // One row's heads that share a KV head (a GQA group): each key and value is loaded and widened once for all of them.
 // Per head the order is the one of a head alone (the bits do not depend on the group). Vecs = ceil(head_dim / 16).
 template <typename T, int Vecs>
@@ -64,10 +84,7 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
   float top[kMaxGroup], total[kMaxGroup];
   for (int64_t h = 0; h < group; ++h) {
     top[h] = -INFINITY;
-    for (int i = 0; i < Vecs; ++i) {
-      _mm512_store_ps(qf[h] + 16 * i, load16(q + h * dim + 16 * i, lanes(dim - 16 * i)));
-      _mm512_store_ps(acc[h] + 16 * i, _mm512_setzero_ps());
-    }
+    for (int i = 0; i < Vecs; ++i) _mm512_store_ps(qf[h] + 16 * i, load16(q + h * dim + 16 * i, lanes(dim - 16 * i)));
   }
   for (int64_t j = 0; j < keys; ++j) {
     const T* k = k_pool + slots[j] * slot_stride;
@@ -93,14 +110,15 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
     }
     total[h] = _mm512_reduce_add_ps(sums);
   }
-  for (int64_t j = 0; j < keys; ++j) {
-    const T* v = v_pool + slots[j] * slot_stride;
-    __m512 vv[Vecs];
-    for (int i = 0; i < Vecs; ++i) vv[i] = load16(v + 16 * i, lanes(dim - 16 * i));
-    for (int64_t h = 0; h < group; ++h) {
-      __m512 p = _mm512_set1_ps(scores[h * ld + j]);
-      for (int i = 0; i < Vecs; ++i)
-        _mm512_store_ps(acc[h] + 16 * i, _mm512_fmadd_ps(p, vv[i], _mm512_load_ps(acc[h] + 16 * i)));
+  // heads 4 at a time, their accumulators in registers (each head's order is the same in any chunk)
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    const float* p = scores + h0 * ld;
+    float* a = acc[h0];
+    switch (std::min<int64_t>(4, group - h0)) {
+      case 1: weigh_values<T, Vecs, 1>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
+      case 2: weigh_values<T, Vecs, 2>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
+      case 3: weigh_values<T, Vecs, 3>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
+      default: weigh_values<T, Vecs, 4>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
     }
   }
   for (int64_t h = 0; h < group; ++h) {
