@@ -24,7 +24,8 @@ FP32_ROWS = 3
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over x [T, in] (or [..., in]) whose row i does not depend on T, so a verify row equals a 1-token step's row.
+    """F.linear over x [T, in] (or [..., in]) whose row i does not depend on T, so a verify row equals a 1-token
+    step's row.
 
     Measured on this project's CPUs (tests/test_row_invariance.py holds it): oneDNN's bf16 GEMM gives a row the same
     bits for any row count from 2 up, and at 1 row too unless in_features > 1024 (its GEMV path then sums in

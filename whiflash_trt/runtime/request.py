@@ -31,8 +31,9 @@ class GenerationResult:
 
 @dataclass
 class Request:
-    """Only the commit phase changes `seq`; `signal` is what the last verify left for the router. `output` holds the
-    tokens produced so far (the pending bonus included); `on_tokens` receives them as they become final."""
+    """Only the commit phase changes `seq`; `signal` is what the last verify left for the router (None without one).
+    `output` holds the tokens produced so far (the pending bonus included); `on_tokens` receives them as they become
+    final."""
     seq: Sequence
     gen: GenerationConfig
     spec: SpecConfig                  # resolved: no "auto" left
