@@ -73,7 +73,35 @@ def test_frozen_linear_runs_on_the_kernel_only_when_asked():
     assert on.kernel_weight is not None and off.kernel_weight is None
     assert torch.equal(on(x), kernels.linear(x.view(6, 576), on.kernel_weight, b, 576).view(2, 3, 576))
     assert torch.allclose(on(x).float(), off(x).float(), rtol=2 ** -6, atol=1e-2)
-    assert FrozenLinear(w.float()).kernel_weight is None   # fp32 stays on MKL
+    assert FrozenLinear(w.float()).kernel_weight.dtype == torch.float32   # fp32: linear_fp32
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES + [(64, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_kernel_matches_linear(out_features, in_features, bias):
+    w, b = weights(out_features, in_features, bias)
+    x = torch.randn(7, in_features)
+    got = kernels.linear(x, kernels.pack_weight(w.float()), b, out_features)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.float32 and got.shape == (7, out_features)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("out_features,in_features", SHAPES + [(64, 3)])
+def test_fp32_kernel_rows_do_not_depend_on_the_call(out_features, in_features, num_threads):
+    w, b = weights(out_features, in_features, bias=True)
+    packed = kernels.pack_weight(w.float())
+    x = torch.randn(37, in_features)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        alone = torch.cat([kernels.linear(x[i:i + 1], packed, b, out_features) for i in range(37)])
+        for rows in (2, 3, 4, 5, 8, 16, 37):
+            assert torch.equal(kernels.linear(x[:rows], packed, b, out_features), alone[:rows]), f"{rows} rows"
+            assert torch.equal(kernels.linear(x[37 - rows:], packed, b, out_features), alone[37 - rows:])
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_gemm_loops_agree_to_one_rounding():
@@ -124,6 +152,13 @@ def test_kernel_rejects_bad_inputs():
         kernels.linear(torch.randn(2, 32).bfloat16(), packed, None, 200)
     with pytest.raises(RuntimeError, match="bias"):
         kernels.linear(torch.randn(2, 32).bfloat16(), packed, torch.zeros(64).bfloat16(), 64)
+    packed32 = kernels.pack_weight(w.float())
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernels.linear(torch.randn(2, 32).bfloat16(), packed32, None, 64)
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.linear(torch.randn(2, 30), packed32, None, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernels.linear(torch.randn(2, 32), packed32, None, 200)
 
 
 def pools_and_queries(dtype, rows: int, heads: int = 6, kv_heads: int = 2, dim: int = 40, slots: int = 300):

@@ -2,18 +2,19 @@
 carries, and loaded once per process:
 - linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with two inner loops (FMA on widened
   pairs, or VDPBF16PS): `load` gives the process the one that is faster on this CPU (choose_gemm);
+- linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - paged_attention.cpp: attention of each row to its visible keys in a paged KV pool.
 Both give every row the same bits whatever else the call holds (what lossless verification needs).
 
     path = compile_library(DEFAULT_CACHE)  # once per source version; whiflash-build copies it into the engine
     load(path)                             # registers torch.ops.whiflash.* in this process
-    if registered(): packed = pack_weight(w); y = linear(x, packed, bias, w.shape[0])
+    if registered(): packed = pack_weight(w); y = linear(x, packed, bias, w.shape[0])   # w bf16 or fp32
                      out = paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len,
                                            scale)
 
-TargetModel.fuse_projections hands bf16 weights and the attention to them once they are loaded. Where the CPU lacks
-AVX-512 BF16 or no C++ compiler is found, nothing is loaded: the linears keep oneDNN (models/layers.py FrozenLinear)
-and the attention models/attention.py's row-invariant torch version.
+TargetModel.fuse_projections hands bf16 and fp32 weights and the attention to them once they are loaded. Where the
+CPU lacks AVX-512 BF16 or no C++ compiler is found, nothing is loaded: the linears keep oneDNN and MKL
+(models/layers.py FrozenLinear) and the attention models/attention.py's row-invariant torch version.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear_bf16.cpp", "paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp")]
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
@@ -186,8 +187,8 @@ def _register_shapes() -> None:
     global _shapes_registered
     if _shapes_registered:
         return
-    torch.library.register_fake("whiflash::linear_bf16")(
-        lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features))
+    for op in ("whiflash::linear_bf16", "whiflash::linear_fp32"):
+        torch.library.register_fake(op)(lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features))
     torch.library.register_fake("whiflash::paged_attention")(
         lambda q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len, scale:
         q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
@@ -209,19 +210,27 @@ def registered() -> bool:
 
 
 def supports(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 -> [ceil(N/64), K/2, 64] int32, each int32 the pair W[n, 2k], W[n, 2k+1] (zero rows pad N)."""
+    """bf16 [N, K] -> [ceil(N/64), K/2, 64] int32, each int32 the pair W[n, 2k], W[n, 2k+1]; fp32 [N, K] ->
+    [ceil(N/64), K, 64] fp32 (zero rows pad N)."""
     n, k = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -n % BLOCK))
+    if weight.dtype == torch.float32:
+        return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
     pairs = padded.view(-1, BLOCK, k // 2, 2).transpose(1, 2).contiguous()
     return pairs.view(torch.int32).view(-1, k // 2, BLOCK)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [M, K] bf16 -> [M, out_features] bf16; bias fp32 or None."""
+    """x [M, K] -> [M, out_features] in x's dtype (bf16 over a packed bf16 weight, fp32 over an fp32 one); bias fp32
+    or None."""
+    if packed.dtype == torch.float32:
+        return torch.ops.whiflash.linear_fp32(x, packed, bias, out_features)
     return torch.ops.whiflash.linear_bf16(x, packed, bias, out_features)
 
 

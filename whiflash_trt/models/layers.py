@@ -45,11 +45,12 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 class FrozenLinear:
     """An inference-only linear layer (weight [out, in]) whose rows do not depend on the row count, so a verify row
-    equals a 1-token step's row. A bf16 CPU weight runs on the engine's own kernel where it is loaded (whiflash_trt
-    .kernels: row-invariant by construction, and 1.2-1.4x faster than oneDNN for decode and verify), else prepacked
-    for oneDNN: its packed GEMM gives the bits of F.linear (with row_linear's rule for a lone row over in_features >
-    1024, whose GEMV path sums in another order) and streams the weights of few-row calls 1.6-2.2x faster than
-    F.linear. Measured on this project's CPUs; tests/test_row_invariance.py and tests/test_kernels.py hold the bits."""
+    equals a 1-token step's row. A bf16 or fp32 CPU weight runs on the engine's own kernels where they are loaded
+    (whiflash_trt.kernels: row-invariant by construction, and 1.2-1.4x faster than oneDNN for bf16 decode and
+    verify). Elsewhere a bf16 weight is prepacked for oneDNN: its packed GEMM gives the bits of F.linear (with
+    row_linear's rule for a lone row over in_features > 1024, whose GEMV path sums in another order) and streams the
+    weights of few-row calls 1.6-2.2x faster than F.linear; an fp32 one runs on MKL through row_linear. Measured on
+    this project's CPUs; tests/test_row_invariance.py and tests/test_kernels.py hold the bits."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True) -> None:
         self.weight, self.bias = weight, bias

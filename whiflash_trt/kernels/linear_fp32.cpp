@@ -1,0 +1,96 @@
+// whiflash::linear_fp32: y = x W^T (+ bias) for fp32 x [M, K] and an fp32 weight W [N, K], on AVX-512 CPUs: the
+// fp32 engine's GEMM. MKL sums a row of an fp32 GEMM in an order that depends on the row count, differently per
+// CPU (the Intel Xeon: 17+ rows differ from 2-16; an AMD EPYC Zen 4: 4+ rows differ from 1-3), so a verify row
+// would not equal its decode row; this one fixes the order.
+//
+// Row invariance by construction: every output y[m, n] is one fp32 accumulator lane that adds x[m, k] * W[n, k]
+// with fp32 FMAs for k = 0, 1, ... in order, then the bias. Nothing depends on M, on the row's place in the call or
+// on the thread count (tests/test_kernels.py).
+//
+// The weight is packed once (whiflash_trt/kernels/__init__.py pack_weight): [N/64, K, 64] fp32, a block of 64
+// outputs streaming as one contiguous run. Up to 6 rows read each weight once per call, more from cache.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 64;          // outputs per packed block: four zmm of accumulators
+constexpr int kPrefetchBytes = 8192;    // software prefetch (to L2) distance along a block
+constexpr int kTileRows = 6;            // rows of x per pass over a block: 24 accumulators + a weight in 32 zmm
+
+template <int Rows>
+void block_rows(const float* x, int64_t ldx, const float* w, int64_t depth, const float* bias, float* y,
+                int64_t ldy, int64_t cols) {
+  __m512 acc[Rows][4];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < depth; ++k) {
+    const float* wk = w + k * kBlock;
+    for (int j = 0; j < 4; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + kPrefetchBytes, _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 wv = _mm512_loadu_ps(wk + 16 * j);
+      for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, acc[r][j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t left = cols - 16 * j;
+    if (left <= 0) break;
+    const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + 16 * j) : _mm512_setzero_ps();
+    for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, keep, _mm512_add_ps(acc[r][j], b));
+  }
+}
+
+using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
+constexpr BlockFn kBlockFns[kTileRows] = {block_rows<1>, block_rows<2>, block_rows<3>,
+                                          block_rows<4>, block_rows<5>, block_rows<6>};
+
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_fp32: x must be [M, K] fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(2) == kBlock,
+              "linear_fp32: packed must be [N/64, K, 64] fp32 (kernels.pack_weight)");
+  const int64_t rows = x.size(0), depth = packed.size(1), blocks = packed.size(0);
+  TORCH_CHECK(x.size(1) == depth, "linear_fp32: x has ", x.size(1), " features, the weight ", depth);
+  TORCH_CHECK(out_features > (blocks - 1) * kBlock && out_features <= blocks * kBlock,
+              "linear_fp32: out_features does not match the packed weight");
+  const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features && bias->scalar_type() == at::kFloat,
+                "linear_fp32: bias must be fp32 with out_features elements");
+    b = bias->contiguous();
+  }
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = pc.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t col = blk * kBlock, cols = std::min(kBlock, out_features - col);
+      for (int64_t r = 0; r < rows; r += kTileRows) {
+        const int64_t n = std::min<int64_t>(kTileRows, rows - r);
+        kBlockFns[n - 1](xp + r * depth, depth, wp + blk * depth * kBlock, depth, bp ? bp + col : nullptr,
+                         yp + r * out_features + col, out_features, cols);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(whiflash, m) {
+  m.def("linear_fp32(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(whiflash, CPU, m) {
+  m.impl("linear_fp32", &linear_fp32);
+}
