@@ -99,7 +99,7 @@ def export_graphs(ckpt: Checkpoint, drafters: dict, dtype: torch.dtype, engine_d
     """The onnx section: every graph the runtime needs, exported from the models in the engine dtype."""
     from whiflash_trt.builder.onnx_export import export_engine_graphs
 
-    target = instantiate_target(ckpt, dtype)
+    target = instantiate_target(ckpt, dtype, use_kernels=False)   # ONNX graphs of torch ops, not of our kernels
     eagle3, dflash = (None if m is None else m.to(dtype) for m in (drafters.get(EAGLE3), drafters.get(DFLASH)))
     folder = engine_dir / ONNX_DIR
     folder.mkdir()
@@ -124,7 +124,7 @@ def add_kernels(engine_dir: Path, required: bool) -> dict:
     (engine_dir / KERNELS_DIR).mkdir()
     shutil.copyfile(library, engine_dir / KERNELS_DIR / kernels.LIBRARY)
     return {"path": f"{KERNELS_DIR}/{kernels.LIBRARY}", "version": kernels.version(),
-            "ops": ["whiflash::linear_bf16", "whiflash::paged_attention"]}
+            "ops": ["whiflash::linear_bf16", "whiflash::linear_fp32", "whiflash::paged_attention"]}
 
 
 def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engine_dir: Path, drafters: dict,

@@ -95,8 +95,10 @@ def validate_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], source
     return state
 
 
-def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu") -> TargetModel:
-    """Build the model without a random init and load the (validated) weights in the given dtype."""
+def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
+                       use_kernels: bool = True) -> TargetModel:
+    """Build the model without a random init and load the (validated) weights in the given dtype; its linears and
+    attention on the engine's kernels where loaded, unless `use_kernels` is False (graphs for other runtimes)."""
     state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source)
     with torch.device("meta"):
         model = TargetModel(ckpt.config)
@@ -106,5 +108,5 @@ def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.devic
     cfg = ckpt.config
     model.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope).to(device)
     model.requires_grad_(False).eval()
-    model.fuse_projections()
+    model.fuse_projections(use_kernels)
     return model
