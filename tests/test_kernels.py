@@ -141,6 +141,23 @@ def test_the_gemm_loop_is_chosen_once_per_cpu_and_can_be_forced(tmp_path, monkey
         kernels.set_gemm("amx")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 2, 17, 49152])
+def test_entropy_margin_matches_the_torch_route_signal(dtype, vocab):
+    from whiflash_trt.spec.router import entropy_and_margin
+
+    g = torch.Generator().manual_seed(vocab)
+    for scale in (0.1, 3.0, 30.0):
+        logits = (torch.randn(vocab, generator=g) * scale).to(dtype)
+        got, want = kernels.entropy_margin(logits), entropy_and_margin(logits)
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    tied = torch.zeros(100, dtype=dtype)
+    tied[[3, 7]] = 5.0
+    assert kernels.entropy_margin(tied)[1] == 0.0
+    with pytest.raises(RuntimeError, match="vocab"):
+        kernels.entropy_margin(torch.zeros(2, 3))
+
+
 def test_kernel_rejects_bad_inputs():
     w, _ = weights(64, 32, bias=False)
     packed = kernels.pack_weight(w)

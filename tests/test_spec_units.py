@@ -136,6 +136,22 @@ def _throughput_router(expected: dict[str, float], threshold: float = 1.0):
     return ThroughputRouter(p, costs, threshold, {"eagle3": 1.0, "dflash": 0.5})
 
 
+def test_the_routers_frozen_predictor_computes_the_module():
+    from whiflash_trt.spec.router import FEATURES, AcceptancePredictor, FrozenPredictor
+
+    torch.manual_seed(0)
+    p = AcceptancePredictor(16)
+    with torch.no_grad():
+        p.mean.normal_()
+        p.std.uniform_(0.5, 2.0)
+    frozen = FrozenPredictor(p)
+    for _ in range(20):
+        x = torch.randn(len(FEATURES)) * 2
+        with torch.inference_mode():
+            want = p(x).tolist()
+        assert frozen(x.tolist()) == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
 def test_throughput_router_drafts_only_when_it_beats_target_only_rounds():
     h = torch.zeros(4)
     # rates: none 1/1; eagle3 (a+1)/2.4; dflash (a+1)/1.7

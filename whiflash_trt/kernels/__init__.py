@@ -3,6 +3,7 @@ carries, and loaded once per process:
 - linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with two inner loops (FMA on widened
   pairs, or VDPBF16PS): `load` gives the process the one that is faster on this CPU (choose_gemm);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
+- route_signal.cpp: the entropy and top-2 margin of a bonus position's logits, which a router reads every round;
 - paged_attention.cpp: attention of each row to its visible keys in a paged KV pool.
 Both give every row the same bits whatever else the call holds (what lossless verification needs).
 
@@ -29,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "route_signal.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
@@ -61,7 +64,7 @@ def cpu_supported() -> bool:
 
 def version() -> str:
     """Identifies a compiled library: the source, the flags and the torch it was built against."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
                             + torch.__version__.encode())
     return digest.hexdigest()[:12]
 
@@ -242,6 +245,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     -> [T, heads * D]."""
     return torch.ops.whiflash.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len,
                                               scale)
+
+
+def entropy_margin(logits: torch.Tensor) -> tuple[float, float]:
+    """spec.router.entropy_and_margin of logits [vocab] (fp32 or bf16) in one C++ pass pair."""
+    entropy, margin = torch.ops.whiflash.entropy_margin(logits)
+    return entropy, margin
 
 
 def report_unavailable(reason: str) -> None:

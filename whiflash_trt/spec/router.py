@@ -183,6 +183,25 @@ class AcceptancePredictor(nn.Module):
         return self.fc2(self.act(self.fc1((x - self.mean) / self.std)))
 
 
+class FrozenPredictor:
+    """An AcceptancePredictor's forward over plain Python floats, its weights copied once: a route runs it every
+    round, and torch's dispatch of its few small ops took ~140 us where this takes ~16 (AMD EPYC, a loaded machine).
+    Same arithmetic (standardise, fc1, exact GELU, fc2) in double precision."""
+
+    def __init__(self, model: AcceptancePredictor) -> None:
+        self.mean, self.std = model.mean.tolist(), model.std.tolist()
+        self.w1, self.b1 = model.fc1.weight.tolist(), model.fc1.bias.tolist()
+        self.w2, self.b2 = model.fc2.weight.tolist(), model.fc2.bias.tolist()
+
+    def __call__(self, x: list[float]) -> list[float]:
+        z = [(v - mu) / s for v, mu, s in zip(x, self.mean, self.std)]
+        h = []
+        for row, b in zip(self.w1, self.b1):
+            a = b + sum(w * v for w, v in zip(row, z))
+            h.append(0.5 * a * (1.0 + math.erf(a * math.sqrt(0.5))))
+        return [b + sum(w * v for w, v in zip(row, h)) for row, b in zip(self.w2, self.b2)]
+
+
 def best_option(expected: dict[str, float], round_seconds: dict[str, float], threshold: float) -> str:
     """The throughput rule: `expected[d]` = E[accepted drafts of d]; the drafter with the highest expected tokens
     per second drafts if that beats `threshold` times a target-only round's rate, else NO_DRAFT."""
@@ -198,12 +217,11 @@ class ThroughputRouter(Router):
         if missing:
             raise ValueError(f"throughput router needs a positive round cost for {missing}, got {round_seconds}")
         self.predictor, self.round_seconds, self.threshold = predictor, dict(round_seconds), threshold
+        self.predict = FrozenPredictor(predictor)   # the predictor's weights as they are now
         self.history = RouterHistory(priors, alpha, relax)
 
     def expected(self, signal: RouteSignal) -> dict[str, float]:
-        with torch.inference_mode():
-            x = torch.tensor(self.history.features(signal.entropy, signal.margin))
-            return dict(zip(DRAFTERS, self.predictor(x).tolist()))
+        return dict(zip(DRAFTERS, self.predict(self.history.features(signal.entropy, signal.margin))))
 
     def choose(self, signal: RouteSignal) -> str:
         self.history.update(signal.drafter, signal.accepted)
