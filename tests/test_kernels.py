@@ -158,6 +158,21 @@ def test_entropy_margin_matches_the_torch_route_signal(dtype, vocab):
         kernels.entropy_margin(torch.zeros(2, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_argmax_rows_is_torchs_argmax(dtype):
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in ((1, 1), (6, 17), (6, 49152), (3, 100)):
+        logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+        assert torch.equal(kernels.argmax_rows(logits), logits.float().argmax(-1))
+    ties = torch.zeros(3, 100, dtype=dtype)
+    ties[0, [90, 40, 7]] = 3.0     # the first index of a tie, whatever lane it sits in
+    ties[1, [99, 33]] = 1.0
+    ties[2] = -float("inf")
+    assert kernels.argmax_rows(ties).tolist() == [7, 33, 0] == ties.float().argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="rows, vocab"):
+        kernels.argmax_rows(torch.zeros(5))
+
+
 def test_kernel_rejects_bad_inputs():
     w, _ = weights(64, 32, bias=False)
     packed = kernels.pack_weight(w)

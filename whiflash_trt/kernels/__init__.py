@@ -3,9 +3,11 @@ carries, and loaded once per process:
 - linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with two inner loops (FMA on widened
   pairs, or VDPBF16PS): `load` gives the process the one that is faster on this CPU (choose_gemm);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
-- route_signal.cpp: the entropy and top-2 margin of a bonus position's logits, which a router reads every round;
+- logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification) and
+  the entropy and top-2 margin of a bonus position (the route signal);
 - paged_attention.cpp: attention of each row to its visible keys in a paged KV pool.
-Both give every row the same bits whatever else the call holds (what lossless verification needs).
+The GEMMs and the attention give every row the same bits whatever else the call holds (what lossless verification
+needs); simd.h holds the AVX-512 helpers they share.
 
     path = compile_library(DEFAULT_CACHE)  # once per source version; whiflash-build copies it into the engine
     load(path)                             # registers torch.ops.whiflash.* in this process
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "route_signal.cpp")]
+           for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "logits.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
@@ -248,9 +250,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def entropy_margin(logits: torch.Tensor) -> tuple[float, float]:
-    """spec.router.entropy_and_margin of logits [vocab] (fp32 or bf16) in one C++ pass pair."""
+    """spec.router.entropy_and_margin of logits [vocab] (fp32 or bf16), in two passes in C++."""
     entropy, margin = torch.ops.whiflash.entropy_margin(logits)
     return entropy, margin
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] (fp32 or bf16) -> int64 [rows]: torch.argmax(logits, -1) (the first index of a tie)."""
+    return torch.ops.whiflash.argmax_rows(logits)
 
 
 def report_unavailable(reason: str) -> None:

@@ -174,7 +174,7 @@ def row_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 def _fp32_buffer(pool: torch.Tensor, blk: RowBlock, name: str) -> torch.Tensor:
     """The block's read keys -> [B, kv, W, D] fp32. The "v" buffer has V_EXTRA more columns, a column of ones and
     zeros: the p.v GEMM then also sums p (the softmax denominator) in the same order, over a width that is a multiple
-    of 16 (MKL on the EPYC sums a row of a GEMM whose width is not by the row's place in the call)."""
+    of 16 (at other widths MKL on the EPYC sums a row by its place in the call)."""
     b, w = blk.slots.shape
     kv, d = pool.shape[1:]
     buf = blk.buffers.get(name)
