@@ -7,7 +7,7 @@ carries, and loaded once per process:
   the entropy and top-2 margin of a bonus position (the route signal);
 - paged_attention.cpp: attention of each row to its visible keys in a paged KV pool.
 The GEMMs and the attention give every row the same bits whatever else the call holds (what lossless verification
-needs); simd.h holds the AVX-512 helpers they share.
+needs); simd.h and gemm_blocks.h hold what they share.
 
     path = compile_library(DEFAULT_CACHE)  # once per source version; whiflash-build copies it into the engine
     load(path)                             # registers torch.ops.whiflash.* in this process
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "logits.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gemm_blocks.h")]
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)

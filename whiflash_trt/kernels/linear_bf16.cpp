@@ -31,6 +31,8 @@
 #include <cstring>
 #include <vector>
 
+#include "gemm_blocks.h"
+
 namespace {
 
 constexpr int64_t kBlock = 64;  // outputs per packed block: four zmm of fp32 accumulators
@@ -60,6 +62,22 @@ inline void prefetch_block(const int32_t* wk) {  // +5-10% over the hardware pre
     _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + kPrefetchBytes, _MM_HINT_T1);
 }
 
+// The frame of both loops over one block: accumulators from zero, the pairs k = 0, 1, ... in order (each
+// prefetched ahead), then store_rows; add(acc, k, wk) adds pair k, its 4 x 16 int32 at wk, to every row's lanes.
+template <int Rows, typename Add>
+inline void run_block(const int32_t* w, int64_t pairs, const float* bias, uint16_t* y, int64_t ldy, int64_t cols,
+                      const Add& add) {
+  __m512 acc[Rows][4];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    const int32_t* wk = w + k * kBlock;
+    prefetch_block(wk);
+    add(acc, k, wk);
+  }
+  store_rows<Rows>(acc, bias, y, ldy, cols);
+}
+
 // FMA loop: y[rows, 64 outputs of one block] from x in fp32 (exact: a bf16 is the top half of its fp32), so each x
 // element is one broadcast from memory folded into its FMA, and the FMA ports do little besides FMAs.
 template <int Rows>
@@ -67,12 +85,7 @@ void fma_rows(const void* xv, int64_t ldx, const int32_t* w, int64_t pairs, cons
               int64_t ldy, int64_t cols) {
   const float* x = static_cast<const float*>(xv);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m512 acc[Rows][4];
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < pairs; ++k) {
-    const int32_t* wk = w + k * kBlock;
-    prefetch_block(wk);
+  run_block<Rows>(w, pairs, bias, y, ldy, cols, [&](__m512 (&acc)[Rows][4], int64_t k, const int32_t* wk) {
     for (int j = 0; j < 4; ++j) {
       __m512i pair = _mm512_loadu_si512(wk + 16 * j);
       __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));   // W[n, 2k] as fp32
@@ -83,8 +96,7 @@ void fma_rows(const void* xv, int64_t ldx, const int32_t* w, int64_t pairs, cons
                                     _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, acc[r][j]));
       }
     }
-  }
-  store_rows<Rows>(acc, bias, y, ldy, cols);
+  });
 }
 
 typedef int32_t __attribute__((may_alias, aligned(2))) Pair;  // two bf16 of x, read as one int32
@@ -94,19 +106,13 @@ template <int Rows>
 void dot_rows(const void* xv, int64_t ldx, const int32_t* w, int64_t pairs, const float* bias, uint16_t* y,
               int64_t ldy, int64_t cols) {
   const Pair* x = static_cast<const Pair*>(xv);  // ldx counts bf16 elements: a row is ldx / 2 pairs
-  __m512 acc[Rows][4];
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < pairs; ++k) {
-    const int32_t* wk = w + k * kBlock;
-    prefetch_block(wk);
+  run_block<Rows>(w, pairs, bias, y, ldy, cols, [&](__m512 (&acc)[Rows][4], int64_t k, const int32_t* wk) {
     for (int j = 0; j < 4; ++j) {
       __m512bh pair = (__m512bh)_mm512_loadu_si512(wk + 16 * j);
       for (int r = 0; r < Rows; ++r)
         acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)_mm512_set1_epi32(x[r * (ldx / 2) + k]), pair);
     }
-  }
-  store_rows<Rows>(acc, bias, y, ldy, cols);
+  });
 }
 
 using BlockFn = void (*)(const void*, int64_t, const int32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
@@ -143,30 +149,20 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   if (!dot)
     widen(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), xf.data(), static_cast<int64_t>(xf.size()));
   at::Tensor pc = packed.contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features && bias->scalar_type() == at::kFloat,
-                "linear_bf16: bias must be fp32 with out_features elements");
-    b = bias->contiguous();
-  }
+  at::Tensor kept;
+  const float* bp = whiflash::checked_bias(bias, out_features, kept, "linear_bf16");
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const char* xp = dot ? reinterpret_cast<const char*>(xb.data_ptr<at::BFloat16>())
                        : reinterpret_cast<const char*>(xf.data());
   const int64_t x_row_bytes = xb.size(1) * (dot ? 2 : 4);
   const BlockFn* fns = dot ? kDotFns : kFmaFns;
   const int32_t* wp = pc.data_ptr<int32_t>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = xb.size(1);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t col = blk * kBlock, cols = std::min(kBlock, out_features - col);
-      for (int64_t r = 0; r < rows; r += kTileRows) {
-        const int64_t n = std::min<int64_t>(kTileRows, rows - r);
-        fns[n - 1](xp + r * x_row_bytes, ldx, wp + blk * pairs * kBlock, pairs, bp ? bp + col : nullptr,
-                   yp + r * out_features + col, out_features, cols);
-      }
-    }
+  whiflash::for_each_tile(out_features, kBlock, rows, kTileRows, [&](int64_t blk, int64_t col, int64_t cols,
+                                                                      int64_t r, int64_t n) {
+    fns[n - 1](xp + r * x_row_bytes, ldx, wp + blk * pairs * kBlock, pairs, bp ? bp + col : nullptr,
+               yp + r * out_features + col, out_features, cols);
   });
   return y;
 }

@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "gemm_blocks.h"
+
 namespace {
 
 constexpr int64_t kBlock = 64;          // outputs per packed block: four zmm of accumulators
@@ -61,26 +63,16 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& packed, const c10:
   TORCH_CHECK(out_features > (blocks - 1) * kBlock && out_features <= blocks * kBlock,
               "linear_fp32: out_features does not match the packed weight");
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features && bias->scalar_type() == at::kFloat,
-                "linear_fp32: bias must be fp32 with out_features elements");
-    b = bias->contiguous();
-  }
+  at::Tensor kept;
+  const float* bp = whiflash::checked_bias(bias, out_features, kept, "linear_fp32");
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = pc.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t col = blk * kBlock, cols = std::min(kBlock, out_features - col);
-      for (int64_t r = 0; r < rows; r += kTileRows) {
-        const int64_t n = std::min<int64_t>(kTileRows, rows - r);
-        kBlockFns[n - 1](xp + r * depth, depth, wp + blk * depth * kBlock, depth, bp ? bp + col : nullptr,
-                         yp + r * out_features + col, out_features, cols);
-      }
-    }
+  whiflash::for_each_tile(out_features, kBlock, rows, kTileRows, [&](int64_t blk, int64_t col, int64_t cols,
+                                                                      int64_t r, int64_t n) {
+    kBlockFns[n - 1](xp + r * depth, depth, wp + blk * depth * kBlock, depth, bp ? bp + col : nullptr,
+                     yp + r * out_features + col, out_features, cols);
   });
   return y;
 }
