@@ -21,6 +21,7 @@ CPU lacks AVX-512 BF16 or no C++ compiler is found, nothing is loaded: the linea
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -48,19 +49,28 @@ class KernelBuildError(RuntimeError):
     pass
 
 
-def _cpuinfo(field: str) -> str:
-    """The first `field` line of /proc/cpuinfo ('' where there is none)."""
+@functools.cache
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first CPU's fields of /proc/cpuinfo, read once per process ({} where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.split(":", 1)[0].strip() == field), "")
+        return {}
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpuinfo(field: str) -> str:
+    """The first `field` line of /proc/cpuinfo ("model name", "flags", ...; '' where there is none)."""
+    return _cpuinfo_fields().get(field, "")
 
 
 def cpu_supported() -> bool:
     """The CPU has the instructions the kernel uses (read from /proc/cpuinfo; other systems: no)."""
-    flags = _cpuinfo("flags").split()
+    flags = cpuinfo("flags").split()
     return all(f in flags for f in CPU_FLAGS)
 
 
@@ -135,7 +145,7 @@ def choose_gemm(cache_dir: Path | None = DEFAULT_CACHE) -> str:
         if forced not in GEMM_VARIANTS:
             raise ValueError(f"{GEMM_ENV} must be one of {GEMM_VARIANTS}, got {forced!r}")
         return forced
-    cpu = " / ".join(_cpuinfo(f) for f in ("vendor_id", "cpu family", "model", "model name"))
+    cpu = " / ".join(cpuinfo(f) for f in ("vendor_id", "cpu family", "model", "model name"))
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / version() / f"gemm-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}.json"

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
 import torch
 
+from whiflash_trt import kernels
 from whiflash_trt.errors import WhiflashError
 
 
@@ -43,13 +43,7 @@ def set_threads(n: int) -> None:
 def cpu_model() -> str:
     """The CPU's model name with its family and model numbers (from /proc/cpuinfo where there is one): names such
     as "AMD EPYC" cover several generations."""
-    try:
-        fields = {}
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-        if fields.get("model name"):
-            return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
-    except OSError:
-        pass
+    name = kernels.cpuinfo("model name")
+    if name:
+        return f"{name} (family {kernels.cpuinfo('cpu family') or '?'}, model {kernels.cpuinfo('model') or '?'})"
     return platform.processor() or "unknown"

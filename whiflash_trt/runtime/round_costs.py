@@ -12,9 +12,9 @@ Costs grow with the context length and the tree; the calibration fixes both at a
 (a documented limitation). Engine.round_seconds can be set by a caller that measured better ones.
 
 The costs of an engine directory are kept (`cached_round_seconds`) in the user's cache, one small JSON file per
-engine (its manifest), backend, thread count, CPU model, default tree shapes and whiflash-trt version, so that only
-the first load of an engine on a machine pays the calibration (later loads read them back); delete the folder to
-measure again. A machine whose speed changes (a shared host, another load) keeps the ratios of its first load.
+engine (its manifest), backend, thread count, CPU model, GEMM loop, default tree shapes and whiflash-trt version, so
+that only the first load of an engine on a machine pays the calibration (later loads read them back); delete the
+folder to measure again. A machine whose speed changes (a shared host, another load) keeps the ratios of its first load.
 """
 from __future__ import annotations
 
