@@ -1,9 +1,11 @@
 """KV-only prefill writes exactly the K/V a full drafter forward writes for those positions."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tiny_drafters import make_dflash, make_eagle3
+from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.models.layers import apply_rope
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill_reference
@@ -58,3 +60,33 @@ def test_custom_op_is_registered_and_matches_reference():
         op = torch.ops.whiflash.kv_only_prefill(*args)
         ref = kv_only_prefill_reference(*args)
     assert all(torch.equal(a, b) for a, b in zip(op, ref))
+
+
+@pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_fused_drafters_write_the_contracts_kv_with_the_kernel(kind, dtype):
+    """A fused drafter's write_kv_only runs kernels/kv_prefill.cpp (packed weights, straight into the pools): the
+    K/V of the contract's reference up to the order of sums (fp32), or up to a bf16 rounding of it (bf16); slots
+    it was not given keep their values."""
+    make = make_eagle3 if kind == "eagle3" else make_dflash
+    drafter = make(TARGET).eval().to(dtype)
+    drafter.fuse_projections()
+    assert drafter.kv_prefill is not None
+    t, layers = 7, len(drafter.layers) if kind == "dflash" else 1
+    torch.manual_seed(2)
+    feats = torch.randn(t, len(drafter.config.capture_layers) * 64).to(dtype)
+    embeds = torch.randn(t, 64).to(dtype)
+    positions, slots = torch.arange(9, 9 + t), torch.randperm(40)[:t]
+    k_pool, v_pool = (torch.full((layers, 40, 2, 16), 7.0, dtype=dtype) for _ in range(2))
+    args = (feats, embeds, positions) if kind == "eagle3" else (feats, positions)
+    with torch.no_grad():
+        k, v = drafter.kv_only(*args)
+        drafter.write_kv_only(*args, k_pool, v_pool, slots)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for ref, pool in ((k, k_pool), (v, v_pool)):
+        got = pool[:, slots].float()
+        assert ((got - ref.float()).abs() <= tol * (1 + ref.float().abs())).all()
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert (k_pool[:, untouched] == 7).all() and (v_pool[:, untouched] == 7).all()

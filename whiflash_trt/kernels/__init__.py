@@ -5,7 +5,8 @@ carries, and loaded once per process:
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification) and
   the entropy and top-2 margin of a bonus position (the route signal);
-- paged_attention.cpp: attention of each row to its visible keys in a paged KV pool.
+- paged_attention.cpp: attention of each row to its visible keys in a paged KV pool;
+- kv_prefill.cpp: a drafter's KV-only prefill (plugins/kv_prefill.py) over packed weights, into its pools.
 The GEMMs and the attention give every row the same bits whatever else the call holds (what lossless verification
 needs); simd.h and gemm_blocks.h hold what they share.
 
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "logits.cpp")]
+           for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "logits.cpp", "kv_prefill.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gemm_blocks.h")]
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
@@ -257,6 +258,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     -> [T, heads * D]."""
     return torch.ops.whiflash.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len,
                                               scale)
+
+
+def kv_prefill(feats: torch.Tensor, fc_packed: torch.Tensor, hidden: int, hidden_norm_weight: torch.Tensor,
+               embeds: torch.Tensor, input_norm_weight: torch.Tensor, kv_packed: torch.Tensor,
+               k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
+    """plugins.kv_prefill's op with fc packed ([hidden, F]) and every layer's k_proj then v_proj packed as one
+    weight; writes the keys and values at write_slots [T] of the pools [layers, slots, kv_heads, D]."""
+    torch.ops.whiflash.kv_prefill(feats, fc_packed, hidden, hidden_norm_weight, embeds, input_norm_weight, kv_packed,
+                                  k_norm_weight, cos, sin, eps, k_cache, v_cache, write_slots)
 
 
 def entropy_margin(logits: torch.Tensor) -> tuple[float, float]:

@@ -100,6 +100,13 @@ class Eagle3(Protocol):
     def kv_only(self, feats: torch.Tensor, embeds: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def write_kv_only(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """kv_only's K/V written at `slots` [T] of the pools [1, slots, kv, D] (a fused drafter on the engine's
+        kernels does both in one op)."""
+        k, v = self.kv_only(feats, embeds, positions)
+        k_cache[:, slots], v_cache[:, slots] = k, v
+
 
 class DFlash(Protocol):
     """DFlash: a few layers drafting a whole block at once over context K/V injected from target features. A call
@@ -116,3 +123,9 @@ class DFlash(Protocol):
         """Several sequences' blocks in one call ([S * B, ...]), block i over the context at reads[i]."""
 
     def kv_only(self, feats: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def write_kv_only(self, feats: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """kv_only's K/V written at `slots` [T] of the pools [L, slots, kv, D] (see Eagle3.write_kv_only)."""
+        k, v = self.kv_only(feats, positions)
+        k_cache[:, slots], v_cache[:, slots] = k, v

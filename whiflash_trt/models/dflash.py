@@ -15,6 +15,7 @@ from torch import nn
 from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.models.contracts import DFlash
 from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, paged_attention
+from whiflash_trt.models.packed_kv_prefill import PackedKVPrefill
 from whiflash_trt.models.target import Attention
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill
 
@@ -112,6 +113,7 @@ class DFlashDrafter(nn.Module, DFlash):
         # A target whose embedding table has no spare row for mask_token_id: the drafter carries that row.
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if carries_mask_embedding else None
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.kv_prefill: PackedKVPrefill | None = None   # set by fuse_projections where the kernels are loaded
 
     def fuse_projections(self) -> None:
         """Inference-only (an engine's drafter; training runs the plain modules): each layer's q/k/v and gate/up
@@ -120,6 +122,10 @@ class DFlashDrafter(nn.Module, DFlash):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self._kv_weights = self._stacked_kv_weights()   # frozen from here on: stacked once, not per catch-up
+        k_weight, v_weight, k_norm_weight = self._kv_weights
+        if PackedKVPrefill.supported(self.fc.weight, k_weight[0]):
+            self.kv_prefill = PackedKVPrefill(self.fc.weight, self.hidden_norm.weight, k_weight.new_empty(0),
+                                              k_weight, v_weight, k_norm_weight, self.config.rms_norm_eps)
 
     def forward(
         self,
@@ -151,3 +157,11 @@ class DFlashDrafter(nn.Module, DFlash):
         k_weight, v_weight, k_norm_weight = getattr(self, "_kv_weights", None) or self._stacked_kv_weights()
         return kv_only_prefill(feats, self.fc.weight, self.hidden_norm.weight, empty, empty[0], k_weight, v_weight,
                                k_norm_weight, cos[:, 0], sin[:, 0], self.config.rms_norm_eps)
+
+    def write_kv_only(self, feats: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.kv_prefill is None:
+            return DFlash.write_kv_only(self, feats, positions, k_cache, v_cache, slots)
+        cos, sin = self.rotary(positions, feats.dtype)
+        empty = feats.new_empty(feats.shape[0], 0)
+        self.kv_prefill.write(feats, empty, cos[:, 0], sin[:, 0], k_cache, v_cache, slots)

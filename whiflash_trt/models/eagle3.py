@@ -16,6 +16,7 @@ from whiflash_trt.config import ModelConfig, RopeConfig
 from whiflash_trt.models.attention import KeyLayout, RowKeys, attention_keys
 from whiflash_trt.models.contracts import Eagle3, Segment
 from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU
+from whiflash_trt.models.packed_kv_prefill import PackedKVPrefill
 from whiflash_trt.models.target import Attention
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill
 
@@ -81,8 +82,9 @@ class Eagle3Drafter(nn.Module, Eagle3):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.head: FrozenLinear | None = None   # the lm_head, and kernel_attention, set by fuse_projections
+        self.head: FrozenLinear | None = None   # the lm_head, kernel_attention and kv_prefill: fuse_projections
         self.kernel_attention = False
+        self.kv_prefill: PackedKVPrefill | None = None
 
     def fuse_projections(self) -> None:
         """Inference-only (an engine's drafter; training runs the plain modules): the midlayer's q/k/v and gate/up
@@ -93,6 +95,12 @@ class Eagle3Drafter(nn.Module, Eagle3):
         fc = self._modules.pop("fc")   # a FrozenLinear from here on (still .weight for kv_only): ~4x faster at 1 row
         self.fc = FrozenLinear(fc.weight, fc.bias)
         self.kernel_attention = kernels.registered()
+        attn = self.midlayer.self_attn
+        if fc.bias is None and PackedKVPrefill.supported(fc.weight, attn.k_proj.weight):
+            self.kv_prefill = PackedKVPrefill(fc.weight, self.midlayer.hidden_norm.weight,
+                                              self.midlayer.input_layernorm.weight, attn.k_proj.weight[None],
+                                              attn.v_proj.weight[None], fc.weight.new_empty(1, 0),
+                                              self.config.rms_norm_eps)
 
     def forward(
         self,
@@ -139,3 +147,10 @@ class Eagle3Drafter(nn.Module, Eagle3):
         return kv_only_prefill(feats, self.fc.weight, self.midlayer.hidden_norm.weight, embeds,
                                self.midlayer.input_layernorm.weight, attn.k_proj.weight[None],
                                attn.v_proj.weight[None], empty, cos[:, 0], sin[:, 0], self.config.rms_norm_eps)
+
+    def write_kv_only(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.kv_prefill is None:
+            return Eagle3.write_kv_only(self, feats, embeds, positions, k_cache, v_cache, slots)
+        cos, sin = self.rotary(positions, feats.dtype)
+        self.kv_prefill.write(feats, embeds, cos[:, 0], sin[:, 0], k_cache, v_cache, slots)

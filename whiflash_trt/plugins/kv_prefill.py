@@ -1,7 +1,8 @@
 """KV-only Prefill: a drafter's context K/V for a backlog of positions, as ONE custom op.
 
-This is the single place the op's contract is written down (the ONNX schema/function and any TensorRT plugin or GPU
-kernel implement exactly this):
+This is the single place the op's contract is written down (the ONNX schema/function, any TensorRT plugin or GPU
+kernel, and the engine's CPU kernel kernels/kv_prefill.cpp, which a fused drafter runs over packed weights, implement
+exactly this):
 
     whiflash::kv_only_prefill(feats, fc_weight, hidden_norm_weight, embeds, input_norm_weight,
                               k_weight, v_weight, k_norm_weight, cos, sin, eps) -> (k, v)

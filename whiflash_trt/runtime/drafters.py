@@ -80,9 +80,8 @@ class Eagle3Proposer(Proposer):
         dev = self.pool.k.device
         feats = seq.features_between(start, end)[:, self.cols]
         embeds = self.target.embed(torch.tensor(seq.tokens[start + 1:end + 1], device=dev))
-        k, v = self.model.kv_only(feats, embeds, torch.arange(start, end, device=dev))
-        slots = seq.slots(start, end).to(dev)
-        self.pool.k[:, slots], self.pool.v[:, slots] = k, v
+        self.model.write_kv_only(feats, embeds, torch.arange(start, end, device=dev), self.pool.k, self.pool.v,
+                                 seq.slots(start, end).to(dev))
         return end
 
     def propose(self, seq: Sequence) -> Proposal:
@@ -211,9 +210,8 @@ class DFlashProposer(Proposer):
         if end <= start:
             return start
         dev = self.pool.k.device
-        k, v = self.model.kv_only(seq.features_between(start, end)[:, self.cols], torch.arange(start, end, device=dev))
-        slots = seq.slots(start, end).to(dev)
-        self.pool.k[:, slots], self.pool.v[:, slots] = k, v
+        self.model.write_kv_only(seq.features_between(start, end)[:, self.cols], torch.arange(start, end, device=dev),
+                                 self.pool.k, self.pool.v, seq.slots(start, end).to(dev))
         return end
 
     def block_embeddings(self, root: int) -> torch.Tensor:

@@ -81,6 +81,9 @@ class CompiledEagle3(Eagle3):
     def kv_only(self, feats, embeds, positions):
         return self.eager.kv_only(feats, embeds, positions)
 
+    def write_kv_only(self, *args) -> None:
+        self.eager.write_kv_only(*args)
+
     def draft_step(self, embeds, hidden, positions, k_cache, v_cache, write_slots, segments: list[Segment]):
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the compiled draft step writes the KV pool in place: it must be contiguous")
