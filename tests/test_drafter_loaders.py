@@ -173,3 +173,28 @@ def test_throughput_router_file_round_trip_and_clear_errors(tmp_path):
     save_file(state, str(tmp_path / "bad-trees.safetensors"), metadata=meta)
     with pytest.raises(CheckpointError, match="trees must be a JSON object"):
         load_router(tmp_path / "bad-trees.safetensors", 64)
+
+
+def test_dflash_draft_vocabulary_round_trips_and_is_checked(tmp_path):
+    """save_dflash(draft_vocab=ids) adds draft_vocab_size and EAGLE-3's d2t/t2d maps; they load back, and maps
+    that disagree with each other or leave the vocabulary are refused. Without them the drafter uses every id."""
+    drafter = make_dflash(TARGET)
+    assert drafter.draft_vocab() is None
+    ids = torch.tensor([3, 5, 8, 40, 119])
+    save_dflash(drafter, tmp_path, TARGET.num_layers, dtype=torch.float32, draft_vocab=ids[[2, 0, 4, 1, 3]])
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 5
+    loaded = load_dflash(tmp_path, TARGET)
+    assert torch.equal(loaded.draft_vocab(), ids) and int(loaded.t2d.sum()) == 5
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    _edit_weights(tmp_path, lambda s: s["d2t"].add_(s["t2d"].numel()))
+    with pytest.raises(CheckpointError, match="outside the vocabulary"):
+        load_dflash(tmp_path, TARGET)
+    _edit_weights(tmp_path, lambda s: (s["d2t"].sub_(s["t2d"].numel()), s["t2d"].__setitem__(0, True)))
+    with pytest.raises(CheckpointError, match="t2d does not mark"):
+        load_dflash(tmp_path, TARGET)
+    _edit_weights(tmp_path, lambda s: (s.pop("d2t"), s.pop("t2d")))
+    with pytest.raises(CheckpointError, match="missing"):
+        load_dflash(tmp_path, TARGET)
+    with pytest.raises(ValueError, match="unique target ids"):
+        save_dflash(drafter, tmp_path, TARGET.num_layers, draft_vocab=torch.tensor([1, 1, 2]))

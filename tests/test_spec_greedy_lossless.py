@@ -203,3 +203,36 @@ def test_throughput_router_file_routes_all_three_choices_losslessly(tmp_path, ti
         out = engine.generate(prompt, gen, spec=SpecConfig(mode="whiflash", router="neural"))
         assert out.token_ids == ref.token_ids, f"prompt {i}"
         assert [d for d, _ in out.stats["trace"][:3]] == ["none", "eagle3", "dflash"], out.stats["trace"]
+
+
+def test_dflash_drafting_from_a_draft_vocabulary_is_lossless(tmp_path, tiny_checkpoint, monkeypatch):
+    """A DFlash checkpoint with a draft vocabulary (d2t/t2d) drafts from those ids alone, through the target
+    lm_head's rows of them, and its chain and DDTree outputs still equal target-only output."""
+    import torch
+
+    from tiny_drafters import build_tiny_engine, make_dflash, read_config
+    from whiflash_trt.config import DFLASH
+    from whiflash_trt.models.drafter_checkpoints import save_dflash
+    from whiflash_trt.runtime.drafters import DFlashProposer
+    from whiflash_trt.runtime.engine import Engine
+
+    target = tiny_checkpoint("spec")
+    cfg = read_config(target)
+    ids = torch.arange(0, cfg.vocab_size, 2)
+    save_dflash(make_dflash(cfg), tmp_path / "dflash", cfg.num_layers, dtype=torch.float32, draft_vocab=ids)
+    engine = Engine.load(build_tiny_engine(target, tmp_path / "engine", dllm_drafter=tmp_path / "dflash"))
+    assert engine.proposers[DFLASH].vocab == ids.tolist()
+    drafted: list[int] = []
+    propose_many = DFlashProposer.propose_many
+
+    def recording(self, seqs):
+        proposals = propose_many(self, seqs)
+        drafted.extend(t for p in proposals for t in p.tree.tokens[1:])
+        return proposals
+
+    monkeypatch.setattr(DFlashProposer, "propose_many", recording)
+    for spec in (SpecConfig(mode="dflash"), SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(top_k=1))):
+        for i, prompt in enumerate(_prompts(4, seed=3, vocab=cfg.vocab_size)):
+            gen = GenerationConfig(max_new_tokens=5 + 9 * i)
+            assert engine.generate(prompt, gen, spec=spec).token_ids == engine.generate(prompt, gen).token_ids
+    assert drafted and set(drafted) <= set(ids.tolist())

@@ -67,6 +67,11 @@ class Target(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def head_weight(self) -> torch.Tensor | None:
+        """The lm_head's weight [vocab, H] where the target holds it as a tensor (a drafter drawing from part of the
+        vocabulary slices its own head from it); None where it does not (an exported graph)."""
+        return None
+
 
 class Eagle3(Protocol):
     """EAGLE-3: fc over three target layers, one decoder layer stepped through the draft tree, a draft-vocab head.
@@ -123,6 +128,10 @@ class DFlash(Protocol):
         """Several sequences' blocks in one call ([S * B, ...]), block i over the context at reads[i]."""
 
     def kv_only(self, feats: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The target ids its drafts are drawn from (None: the whole vocabulary)."""
+        return None
 
     def write_kv_only(self, feats: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor) -> None:

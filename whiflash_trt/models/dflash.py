@@ -36,6 +36,7 @@ class DFlashConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]   # 0-based target layer outputs (HF hidden_states[id + 1])
     attention_bias: bool = False
+    draft_vocab_size: int | None = None  # drafts drawn from this many target ids (d2t/t2d); None: the whole vocab
 
     def __post_init__(self) -> None:
         if self.draft_block_len < 2:
@@ -44,6 +45,8 @@ class DFlashConfig:
             raise ValueError("DFlash needs at least one target layer id")
         if self.mask_token_id < 0:
             raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -114,6 +117,16 @@ class DFlashDrafter(nn.Module, DFlash):
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if carries_mask_embedding else None
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.kv_prefill: PackedKVPrefill | None = None   # set by fuse_projections where the kernels are loaded
+        if cfg.draft_vocab_size is not None:   # EAGLE-3's convention: target id = d + d2t[d]; t2d marks them
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The target ids a draft is drawn from, by draft id ([draft_vocab_size] int64; None: the whole vocabulary,
+        the public format's only case)."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def fuse_projections(self) -> None:
         """Inference-only (an engine's drafter; training runs the plain modules): each layer's q/k/v and gate/up

@@ -142,7 +142,8 @@ def dflash_config(raw: dict, target: ModelConfig, where: Path) -> DFlashConfig:
         max_position_embeddings=max(int(raw.get("max_position_embeddings", 0)), target.max_position_embeddings),
         rope=RopeConfig.from_hf(raw), draft_block_len=int(raw["block_size"]),
         mask_token_id=int(dcfg["mask_token_id"]),
-        target_layer_ids=tuple(int(i) for i in ids), attention_bias=bool(raw.get("attention_bias", False)))
+        target_layer_ids=tuple(int(i) for i in ids), attention_bias=bool(raw.get("attention_bias", False)),
+        draft_vocab_size=int(raw["draft_vocab_size"]) if raw.get("draft_vocab_size") else None)
     _check(cfg.hidden_size == target.hidden_size, where,
            f"hidden_size {cfg.hidden_size} != target hidden size {target.hidden_size} (it uses the target's "
            f"embedding and lm_head)")
@@ -164,11 +165,20 @@ def load_dflash(path: str | Path, target: ModelConfig) -> DFlashDrafter:
         state.pop("mask_embedding", None)
     drafter = DFlashDrafter(cfg, target.hidden_size, carries_mask_embedding=carries)
     _load_state(drafter, state, where)
+    ids = drafter.draft_vocab()
+    if ids is not None:
+        inside = bool(((ids >= 0) & (ids < cfg.vocab_size)).all())
+        _check(inside, where, "d2t maps draft ids outside the vocabulary")
+        _check(bool(drafter.t2d[ids].all()) and int(drafter.t2d.sum()) == len(ids), where,
+               "t2d does not mark exactly the ids d2t maps to")
     return drafter.eval().requires_grad_(False)
 
 
 def save_dflash(drafter: DFlashDrafter, folder: str | Path, num_target_layers: int,
-                dtype: torch.dtype = torch.bfloat16) -> None:
+                dtype: torch.dtype = torch.bfloat16, draft_vocab: torch.Tensor | None = None) -> None:
+    """The public layout, plus `draft_vocab_size` with d2t/t2d (EAGLE-3's convention) where the drafts are drawn
+    from a subset of the vocabulary: `draft_vocab` (target ids; default: the drafter's own, if any). A loader
+    without them reads the rest as a full-vocabulary drafter."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     c = drafter.config
@@ -181,6 +191,13 @@ def save_dflash(drafter: DFlashDrafter, folder: str | Path, num_target_layers: i
         "num_target_layers": num_target_layers,
         "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
     }
+    state = {k: v.to(dtype).contiguous() for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
+    ids = drafter.draft_vocab() if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long).sort().values
+    if ids is not None:
+        if ids.numel() == 0 or bool((ids[1:] == ids[:-1]).any()) or ids[0] < 0 or ids[-1] >= c.vocab_size:
+            raise ValueError("a draft vocabulary is unique target ids inside the vocabulary")
+        config["draft_vocab_size"] = ids.numel()
+        state["d2t"] = (ids - torch.arange(ids.numel())).contiguous()
+        state["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.to(dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"))

@@ -112,6 +112,9 @@ class TargetModel(nn.Module, Target):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden) if self.head is not None else self.lm_head(hidden)
 
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
     def fuse_projections(self, use_kernels: bool = True) -> None:
         """Inference-only: one matmul for q/k/v and one for gate/up per layer (fewer, larger weight streams), every
         weight in the layout whose GEMM rows do not depend on the row count (layers.k_major). `use_kernels`: the

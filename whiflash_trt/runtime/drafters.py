@@ -14,6 +14,7 @@ import torch
 from whiflash_trt.config import DFLASH, EAGLE3, DFlashTreeConfig, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.models.contracts import DFlash, Eagle3, Segment, Target, feature_columns
+from whiflash_trt.models.layers import FrozenLinear
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.spec.ddtree import best_prefix_tree
@@ -173,6 +174,18 @@ class DFlashProposer(Proposer):
     model: DFlash
     tree = DFlashTreeConfig()   # the request's shape: a DDTree or the block's chain (see with_tree)
 
+    def __init__(self, model: DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
+        super().__init__(model, pool, target, union)
+        # A drafter trained over part of the vocabulary drafts from it alone: the target lm_head's rows of those ids,
+        # packed once (SmolLM2: 8192 of 49152 rows, the head's read per round 5.6x smaller). `vocab` maps a column
+        # of head's logits to its target id. A target without its head as a tensor (a graph) drafts over all ids.
+        ids, weight = model.draft_vocab(), target.head_weight()
+        self.vocab: list[int] | None = None
+        self.head: FrozenLinear | None = None
+        if ids is not None and weight is not None:
+            self.vocab = ids.tolist()
+            self.head = FrozenLinear(weight.detach()[ids.to(weight.device)].contiguous())
+
     @property
     def draft_block_len(self) -> int:
         return self.model.config.draft_block_len
@@ -226,14 +239,21 @@ class DFlashProposer(Proposer):
         return (self.name, self.tree)
 
     def block_logits(self, seq: Sequence) -> torch.Tensor:
-        """[B-1, vocab] the target lm_head's logits at block slots 1..B-1: the drafts of positions N+1..N+B-1."""
-        return self.block_logits_many([seq])[0]
+        """[B-1, vocab] logits at block slots 1..B-1 over the target's vocabulary: the drafts of positions
+        N+1..N+B-1 (for tools; ids outside a draft vocabulary get -inf)."""
+        logits = self.block_logits_many([seq])[0]
+        if self.vocab is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target.config.vocab_size), float("-inf"))
+        full[:, self.vocab] = logits
+        return full
 
     @torch.inference_mode()
     def block_logits_many(self, seqs: list[Sequence], depth: int | None = None) -> list[torch.Tensor]:
-        """Every sequence's block in one drafter forward, then ONE target lm_head over all their drafts (the
-        weights, the lm_head above all, read once): [depth, vocab] per sequence, the first `depth` drafts (default
-        all B-1; the whole block is still drafted: its positions attend to each other)."""
+        """Every sequence's block in one drafter forward, then ONE LM head over all their drafts (the weights, the
+        head above all, read once): [depth, draft vocab] per sequence (columns: self.vocab's ids, or all), the
+        first `depth` drafts (default all B-1; the whole block is still drafted: its positions attend to each
+        other)."""
         dev, b = self.pool.k.device, self.draft_block_len
         depth = b - 1 if depth is None else depth
         hidden = self.model.forward_many(
@@ -241,7 +261,8 @@ class DFlashProposer(Proposer):
             torch.cat([torch.arange(seq.num_committed, seq.num_committed + b, device=dev) for seq in seqs]),
             self.pool.k, self.pool.v, [seq.slots(0, seq.num_committed).to(dev) for seq in seqs])
         drafts = hidden.view(len(seqs), b, -1)[:, 1:1 + depth].flatten(0, 1)
-        return list(self.target.logits(drafts).split(depth))
+        logits = self.target.logits(drafts) if self.head is None else self.head(drafts)
+        return list(logits.split(depth))
 
     def propose(self, seq: Sequence) -> Proposal:
         return self.propose_many([seq])[0]
@@ -256,6 +277,9 @@ class DFlashProposer(Proposer):
             else:
                 tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1), nodes,
                                            self.tree.top_k)
+            if self.vocab is not None:   # draft ids -> target ids (the root is one already)
+                tree = DraftTree(tree.tokens[:1] + [self.vocab[t] for t in tree.tokens[1:]], tree.parents,
+                                 tree.depths)
             proposals.append(Proposal(tree, frontier=seq.num_committed))
         return proposals
 

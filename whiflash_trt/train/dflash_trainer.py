@@ -208,6 +208,7 @@ def train_dflash(data_folder: Path, run_dir: Path, target: TargetModel, opts: DF
     loss = DFlashLoss(drafter, target, cols, opts, loss_vocab)
     export_dir = run_dir / "export"
     n = target.config.num_layers
-    train_loop(run_dir, drafter, Path(data_folder), loss, loop, lambda: save_dflash(drafter, export_dir, n),
-               extra)
+    # the export drafts from the loss vocabulary (the only ids it was trained to rank): a smaller LM head per round
+    train_loop(run_dir, drafter, Path(data_folder), loss, loop,
+               lambda: save_dflash(drafter, export_dir, n, draft_vocab=loss_vocab), extra)
     return export_dir

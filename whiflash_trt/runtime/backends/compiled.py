@@ -32,6 +32,9 @@ class CompiledTarget(Target):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.eager.logits(hidden)
 
+    def head_weight(self) -> torch.Tensor:
+        return self.eager.head_weight()
+
     def __call__(self, input_ids, positions, k_cache, v_cache, write_slots, read_slots, attn_mask,
                  capture_layers=(), logits_indices=None) -> TargetOutput:
         return self.forward_segments(input_ids, positions, k_cache, v_cache, write_slots,
