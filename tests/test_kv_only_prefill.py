@@ -90,3 +90,25 @@ def test_fused_drafters_write_the_contracts_kv_with_the_kernel(kind, dtype):
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots] = False
     assert (k_pool[:, untouched] == 7).all() and (v_pool[:, untouched] == 7).all()
+
+
+@pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine")
+def test_dflash_block_on_the_kernel_equals_the_torch_attention():
+    """A fused DFlash drafter given its blocks' scratch slots attends on the kernel (the block's K/V written there,
+    each row over its context then the block): the hidden states of the torch path, which never writes the pool,
+    for two sequences at once; the context K/V stay as they were."""
+    drafter = make_dflash(TARGET).eval()
+    drafter.fuse_projections()
+    b, layers = drafter.config.draft_block_len, len(drafter.layers)
+    torch.manual_seed(3)
+    k_pool, v_pool = torch.randn(layers, 64, 2, 16), torch.randn(layers, 64, 2, 16)
+    reads = [torch.randperm(30)[:11], 30 + torch.randperm(10)[:4]]
+    writes = [torch.arange(40, 40 + b), torch.arange(50, 50 + b)]
+    embeds, positions = torch.randn(2 * b, 64), torch.cat([torch.arange(11, 11 + b), torch.arange(4, 4 + b)])
+    context = torch.cat(reads)
+    before = k_pool[:, context].clone(), v_pool[:, context].clone()
+    with torch.no_grad():
+        torch_path = drafter.forward_many(embeds, positions, k_pool, v_pool, reads)
+        kernel_path = drafter.forward_many(embeds, positions, k_pool, v_pool, reads, writes)
+    assert (kernel_path - torch_path).abs().max() <= 1e-4
+    assert torch.equal(k_pool[:, context], before[0]) and torch.equal(v_pool[:, context], before[1])

@@ -124,8 +124,11 @@ class DFlash(Protocol):
                  v_cache: torch.Tensor, read_slots: torch.Tensor) -> torch.Tensor: ...
 
     def forward_many(self, block_embeds: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, reads: list[torch.Tensor]) -> torch.Tensor:
-        """Several sequences' blocks in one call ([S * B, ...]), block i over the context at reads[i]."""
+                     v_cache: torch.Tensor, reads: list[torch.Tensor],
+                     writes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Several sequences' blocks in one call ([S * B, ...]), block i over the context at reads[i]; writes[i]
+        [B]: block i's scratch slots, where an implementation may put the block's own K/V (past the context: they
+        are never read as context)."""
 
     def kv_only(self, feats: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 

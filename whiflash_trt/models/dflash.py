@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig, RopeConfig
-from whiflash_trt.models.contracts import DFlash
+from whiflash_trt.models.attention import RowKeys, row_keys
+from whiflash_trt.models.contracts import DFlash, Segment
 from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, paged_attention
 from whiflash_trt.models.packed_kv_prefill import PackedKVPrefill
 from whiflash_trt.models.target import Attention
@@ -70,9 +72,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 class DFlashAttention(Attention):
     """The target's attention projections (Qwen3-style q/k norms); each block attends to its context and,
-    bidirectionally, to itself."""
+    bidirectionally, to itself. On the engine's kernel (Attention.forward with RowKeys, see block_keys) the block's
+    K/V go to its scratch slots of the pool; `gathered` is the torch version, which never writes the pool."""
 
-    def forward(self, x, cos, sin, k_pool, v_pool, reads: list[torch.Tensor]):
+    def gathered(self, x, cos, sin, k_pool, v_pool, reads: list[torch.Tensor]):
         """Blocks x [S * B, H] of S sequences (B rows each), block i over the context at reads[i] -> [S * B, H].
         The projections run over every block at once; the attention block by block."""
         b = x.shape[0] // len(reads)
@@ -99,9 +102,23 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_pool, v_pool, reads: list[torch.Tensor]):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, reads)
+    def forward(self, x, cos, sin, k_cache, v_cache, layer: int, reads: list[torch.Tensor] | None,
+                write_slots: torch.Tensor | None = None, keys: RowKeys | None = None):
+        """The torch attention over `reads` (keys None), or the kernel's over `keys`, writing the block at
+        `write_slots`."""
+        h = self.input_layernorm(x)
+        if keys is None:
+            x = x + self.self_attn.gathered(h, cos, sin, k_cache[layer], v_cache[layer], reads)
+        else:
+            x = x + self.self_attn(h, cos, sin, k_cache, v_cache, layer, write_slots, keys)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def block_keys(reads: list[torch.Tensor], writes: list[torch.Tensor]) -> RowKeys:
+    """Each block row's keys for the kernel: its sequence's context (reads[i]), then the whole block (writes[i], the
+    block's scratch slots: bidirectional)."""
+    return row_keys([Segment(torch.cat([r, w]), torch.ones(w.numel(), r.numel() + w.numel(), dtype=torch.bool,
+                                                            device=r.device)) for r, w in zip(reads, writes)])
 
 
 class DFlashDrafter(nn.Module, DFlash):
@@ -117,6 +134,7 @@ class DFlashDrafter(nn.Module, DFlash):
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if carries_mask_embedding else None
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.kv_prefill: PackedKVPrefill | None = None   # set by fuse_projections where the kernels are loaded
+        self.kernel_attention = False                    # likewise
         if cfg.draft_vocab_size is not None:   # EAGLE-3's convention: target id = d + d2t[d]; t2d marks them
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
@@ -135,6 +153,7 @@ class DFlashDrafter(nn.Module, DFlash):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self._kv_weights = self._stacked_kv_weights()   # frozen from here on: stacked once, not per catch-up
+        self.kernel_attention = kernels.registered()
         k_weight, v_weight, k_norm_weight = self._kv_weights
         if PackedKVPrefill.supported(self.fc.weight, k_weight[0]):
             self.kv_prefill = PackedKVPrefill(self.fc.weight, self.hidden_norm.weight, k_weight.new_empty(0),
@@ -151,12 +170,27 @@ class DFlashDrafter(nn.Module, DFlash):
         """-> [B, H] final-norm hidden states; slots 1..B-1 go through the target's lm_head."""
         return self.forward_many(block_embeds, positions, k_cache, v_cache, [read_slots])
 
-    def forward_many(self, block_embeds, positions, k_cache, v_cache, reads: list[torch.Tensor]) -> torch.Tensor:
-        """S sequences' blocks at once: block_embeds, positions [S * B, ...], block i over the context at reads[i]."""
+    def forward_many(self, block_embeds, positions, k_cache, v_cache, reads: list[torch.Tensor],
+                     writes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """S sequences' blocks at once: block_embeds, positions [S * B, ...], block i over the context at reads[i].
+        A fused drafter on the engine's kernels writes block i's K/V at its scratch slots writes[i] [B] of the pool
+        (given; else the torch attention runs, which never writes it)."""
+        if self.kernel_attention and writes is not None:
+            return self.forward_keys(block_embeds, positions, k_cache, v_cache, torch.cat(writes),
+                                     block_keys(reads, writes))
         x = block_embeds
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], reads)
+            x = layer(x, cos, sin, k_cache, v_cache, i, reads)
+        return self.norm(x)
+
+    def forward_keys(self, block_embeds, positions, k_cache, v_cache, write_slots, keys: RowKeys) -> torch.Tensor:
+        """forward_many on the kernel with the rows' keys laid out (block_keys): tensors only, the graph
+        builder/compile_dflash.py exports."""
+        x = block_embeds
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_cache, v_cache, i, None, write_slots, keys)
         return self.norm(x)
 
     def _stacked_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -205,7 +205,7 @@ class DFlashProposer(Proposer):
         return self.with_tree(spec.dflash_tree)
 
     def scratch_slots(self) -> int:
-        return 0   # the block's own K/V never enter the pool
+        return self.draft_block_len   # the block's K/V (on the kernel), at the slots past the committed ones
 
     def max_tree_tokens(self) -> int:
         if self.tree.total_tokens is not None:
@@ -259,7 +259,8 @@ class DFlashProposer(Proposer):
         hidden = self.model.forward_many(
             torch.cat([self.block_embeddings(seq.pending) for seq in seqs]),
             torch.cat([torch.arange(seq.num_committed, seq.num_committed + b, device=dev) for seq in seqs]),
-            self.pool.k, self.pool.v, [seq.slots(0, seq.num_committed).to(dev) for seq in seqs])
+            self.pool.k, self.pool.v, [seq.slots(0, seq.num_committed).to(dev) for seq in seqs],
+            [seq.slots(seq.num_committed, seq.num_committed + b).to(dev) for seq in seqs])
         drafts = hidden.view(len(seqs), b, -1)[:, 1:1 + depth].flatten(0, 1)
         logits = self.target.logits(drafts) if self.head is None else self.head(drafts)
         return list(logits.split(depth))

@@ -121,8 +121,9 @@ class GraphDFlash(DFlash):
     def __call__(self, block_embeds, positions, k_cache, v_cache, read_slots):
         return self.block(block_embeds, positions, k_cache, v_cache, read_slots)[0]
 
-    def forward_many(self, block_embeds, positions, k_cache, v_cache, reads: list[torch.Tensor]) -> torch.Tensor:
-        """The exported block takes one sequence: one call per block."""
+    def forward_many(self, block_embeds, positions, k_cache, v_cache, reads: list[torch.Tensor],
+                     writes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The exported block takes one sequence: one call per block (it never writes the pool)."""
         b = block_embeds.shape[0] // len(reads)
         return torch.cat([self(block_embeds[i * b:(i + 1) * b], positions[i * b:(i + 1) * b], k_cache, v_cache, r)
                           for i, r in enumerate(reads)])
