@@ -1,5 +1,6 @@
-"""The compiled backend (builder/compile_target.py, compile_eagle3.py, runtime/backends/compiled.py): the AOTInductor package of the
-target step gives rows that do not depend on the rest of the call, and the tokens of the eager engine."""
+"""The compiled backend (builder/compile_target.py, compile_eagle3.py, compile_dflash.py, runtime/backends/compiled.py):
+the AOTInductor package of the target step gives rows that do not depend on the rest of the call, and the tokens of
+the eager engine; the drafters' packages compute what their modules do."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from whiflash_trt.config import GenerationConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.manifest import MANIFEST
 from whiflash_trt.models.contracts import Segment
-from whiflash_trt.runtime.backends.compiled import CompiledEagle3, CompiledTarget
+from whiflash_trt.runtime.backends.compiled import CompiledDFlash, CompiledEagle3, CompiledTarget
 from whiflash_trt.runtime.engine import Engine
 
 
@@ -27,6 +28,8 @@ def test_the_build_writes_the_package_and_kernels_and_loads_them(compiled_spec_e
     assert manifest["compiled"]["target"]["capture_layers"] == manifest["capture_layers"]
     assert (compiled_spec_engine_dir / manifest["compiled"]["eagle3"]["path"]).is_file()
     assert isinstance(compiled_spec_engine.proposers["eagle3"].model, CompiledEagle3)
+    assert (compiled_spec_engine_dir / manifest["compiled"]["dflash"]["path"]).is_file()
+    assert isinstance(compiled_spec_engine.proposers["dflash"].model, CompiledDFlash)
 
 
 def test_the_compiled_draft_step_matches_the_eager_module(compiled_spec_engine):
@@ -51,6 +54,27 @@ def test_the_compiled_draft_step_matches_the_eager_module(compiled_spec_engine):
     assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert torch.allclose(logprobs, ref_logprobs, atol=2e-2)
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])   # the same K/V written
+
+
+def test_the_compiled_block_forward_matches_the_eager_module(compiled_spec_engine):
+    """Two blocks over scattered context slots: the package's hidden states against the fused module's kernel
+    path, the same block K/V written at the blocks' scratch slots, the context untouched."""
+    model = compiled_spec_engine.proposers["dflash"].model
+    cfg, b = model.config, model.config.draft_block_len
+    torch.manual_seed(0)
+    slots = torch.randperm(100)
+    reads, writes = [slots[:40], slots[40:61]], [torch.arange(100, 100 + b), torch.arange(110, 110 + b)]
+    embeds = torch.randn(2 * b, cfg.hidden_size).bfloat16()
+    positions = torch.cat([torch.arange(40, 40 + b), torch.arange(21, 21 + b)])
+    pools = [torch.randn(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim).bfloat16() for _ in range(2)]
+    pools += [p.clone() for p in pools]
+    with torch.inference_mode():
+        out = model.forward_many(embeds, positions, pools[0], pools[1], reads, writes)
+        ref = model.eager.forward_many(embeds, positions, pools[2], pools[3], reads, writes)
+    assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    for got, want in ((pools[0], pools[2]), (pools[1], pools[3])):
+        assert torch.equal(got[:, slots[:61]], want[:, slots[:61]])
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])

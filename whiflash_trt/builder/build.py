@@ -129,8 +129,9 @@ def add_kernels(engine_dir: Path, required: bool) -> dict:
 
 def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engine_dir: Path, drafters: dict,
                         show_progress: bool) -> dict:
-    """The manifest's compiled section: the target step and EAGLE-3's draft step compiled ahead of time (~1 minute
-    on 2 cores)."""
+    """The manifest's compiled section: the target step, EAGLE-3's draft step and DFlash's block forward compiled
+    ahead of time (~1 minute on 2 cores)."""
+    from whiflash_trt.builder.compile_dflash import compile_dflash
     from whiflash_trt.builder.compile_eagle3 import compile_eagle3
     from whiflash_trt.builder.compile_target import compile_target
 
@@ -149,6 +150,13 @@ def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engin
         drafter.fuse_projections()   # the engine's layout, over the kernels loaded above
         entry = compile_eagle3(drafter, engine_dir / COMPILED_DIR / "eagle3.pt2")
         section[EAGLE3] = entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}
+    if DFLASH in drafters:
+        if show_progress:
+            print("compiling DFlash's block forward", file=sys.stderr, flush=True)
+        drafter = copy.deepcopy(drafters[DFLASH]).to(torch.bfloat16).requires_grad_(False).eval()
+        drafter.fuse_projections()
+        entry = compile_dflash(drafter, engine_dir / COMPILED_DIR / "dflash.pt2")
+        section[DFLASH] = entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}
     return section
 
 

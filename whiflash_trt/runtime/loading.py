@@ -123,8 +123,10 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
         target = compiled_target(engine_dir, manifest, target, torch_dtype, device)
     parts = checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],
                              paths["router"], manifest)
-    entry = manifest.compiled.get(EAGLE3)
-    if backend == "compiled" and entry is not None and parts.eagle3 is not None:   # engines before it have none
-        from whiflash_trt.runtime.backends.compiled import CompiledEagle3
-        parts = dataclasses.replace(parts, eagle3=CompiledEagle3(parts.eagle3, engine_dir / entry["path"]))
+    if backend == "compiled":   # engines built before the drafters' packages have none
+        from whiflash_trt.runtime.backends.compiled import CompiledDFlash, CompiledEagle3
+        for name, wrap in ((EAGLE3, CompiledEagle3), (DFLASH, CompiledDFlash)):
+            entry, drafter = manifest.compiled.get(name), getattr(parts, name)
+            if entry is not None and drafter is not None:
+                parts = dataclasses.replace(parts, **{name: wrap(drafter, engine_dir / entry["path"])})
     return parts

@@ -1,6 +1,7 @@
 """The "compiled" backend: the target step runs the AOTInductor package whiflash-build made
-(builder/compile_target.py), and so does EAGLE-3's draft step where the engine carries one (builder/compile_eagle3.py);
-embeddings, the LM head of drafted rows, EAGLE-3's fc and KV-only prefill, and DFlash stay the torch modules. The
+(builder/compile_target.py), and so do EAGLE-3's draft step and DFlash's block forward where the engine carries them
+(builder/compile_eagle3.py, compile_dflash.py); embeddings, the LM heads of drafted rows, fc and the KV-only
+prefills stay the torch modules. The
 package's rows are row-invariant like the eager step's but may differ from them in the last place, so every step of
 an engine runs the package: the engine only asks for the captures it was compiled with (another capture, for a tool,
 runs the eager module)."""
@@ -11,7 +12,8 @@ from pathlib import Path
 import torch
 
 from whiflash_trt.models.attention import row_keys
-from whiflash_trt.models.contracts import Eagle3, Segment, Target, TargetOutput, feature_columns
+from whiflash_trt.models.contracts import DFlash, Eagle3, Segment, Target, TargetOutput, feature_columns
+from whiflash_trt.models.dflash import DFlashDrafter, block_keys
 from whiflash_trt.models.eagle3 import Eagle3Drafter
 from whiflash_trt.models.target import TargetModel
 
@@ -94,3 +96,36 @@ class CompiledEagle3(Eagle3):
         inputs = (embeds, hidden, positions, k_cache, v_cache, write_slots, keys.slots, keys.lengths)
         out, logprobs = self.step(*(t.contiguous() for t in inputs))
         return out, logprobs
+
+
+class CompiledDFlash(DFlash):
+    """An engine's DFlash (fused, on the kernels) whose block forward runs the package where the proposer gives the
+    blocks' scratch slots; the rest is the module."""
+
+    def __init__(self, eager: DFlashDrafter, package: Path) -> None:
+        self.eager, self.config, self.mask_embedding = eager, eager.config, eager.mask_embedding
+        self.step = torch._inductor.aoti_load_package(str(package))
+
+    def __getattr__(self, name: str):   # what tools read of the module itself (fc, layers, ...)
+        return getattr(self.eager, name)
+
+    def __call__(self, *args) -> torch.Tensor:
+        return self.eager(*args)
+
+    def forward_many(self, block_embeds, positions, k_cache, v_cache, reads, writes=None) -> torch.Tensor:
+        if writes is None:
+            return self.eager.forward_many(block_embeds, positions, k_cache, v_cache, reads)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the compiled block forward writes the KV pool in place: it must be contiguous")
+        keys = block_keys(reads, writes)
+        inputs = (block_embeds, positions, k_cache, v_cache, torch.cat(writes), keys.slots, keys.lengths)
+        return self.step(*(t.contiguous() for t in inputs))   # one output: the tensor itself
+
+    def kv_only(self, feats, positions):
+        return self.eager.kv_only(feats, positions)
+
+    def write_kv_only(self, *args) -> None:
+        self.eager.write_kv_only(*args)
+
+    def draft_vocab(self) -> torch.Tensor | None:
+        return self.eager.draft_vocab()

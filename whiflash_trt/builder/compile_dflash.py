@@ -1,0 +1,57 @@
+"""`whiflash-build --backend compiled`: the DFlash block forward (every layer over the blocks' rows on the engine's
+attention kernel, the final norm) exported with torch.export and compiled ahead of time by AOTInductor, like the
+target step and EAGLE-3's draft step (whose inductor settings it shares). One graph serves any number of blocks
+over any context: rows, keys per row and pool slots are dynamic. The LM head over the drafts, fc and the KV-only
+prefill stay the torch module and the proposer (runtime/drafters.py).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from whiflash_trt.builder.compile_target import INDUCTOR_CONFIGS
+from whiflash_trt.models.attention import RowKeys
+from whiflash_trt.models.dflash import DFlashDrafter
+
+
+class DFlashStep(nn.Module):
+    """The exported signature: tensors only -> final-norm hidden [rows, H] of the blocks."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, block_embeds, positions, k_cache, v_cache, write_slots, row_slots, row_len):
+        return self.drafter.forward_keys(block_embeds, positions, k_cache, v_cache, write_slots,
+                                         RowKeys(row_slots, row_len))
+
+
+def example_inputs(drafter: DFlashDrafter, blocks: int = 2, keys: int = 80, slots: int = 160):
+    """`blocks` blocks over `keys` context keys each; every input a tensor of its own and every dynamic size
+    distinct (see compile_target.example_inputs)."""
+    cfg, dtype = drafter.config, drafter.fc.weight.dtype
+    b = cfg.draft_block_len
+    rows = blocks * b
+    pool = torch.zeros(cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    return (torch.zeros(rows, cfg.hidden_size, dtype=dtype), torch.arange(keys, keys + b).repeat(blocks), pool,
+            pool.clone(), torch.arange(keys, keys + rows), torch.arange(keys + b).repeat(rows, 1),
+            torch.full((rows,), keys + b))
+
+
+def compile_dflash(drafter: DFlashDrafter, path: Path) -> dict:
+    """Export and compile the block forward of an engine's drafter (fused, over the loaded kernels) into the
+    package `path` -> the manifest entry."""
+    if not drafter.kernel_attention:
+        raise ValueError("the compiled block forward runs on the engine's kernels: load them and fuse the drafter")
+    start = time.perf_counter()
+    max_pos = drafter.config.max_position_embeddings
+    rows, keys = torch.export.Dim("rows", min=1, max=max_pos), torch.export.Dim("keys", min=1, max=max_pos)
+    pool = {1: torch.export.Dim("slots", min=2)}
+    shapes = ({0: rows}, {0: rows}, pool, pool, {0: rows}, {0: rows, 1: keys}, {0: rows})
+    with torch.no_grad():
+        program = torch.export.export(DFlashStep(drafter), example_inputs(drafter), dynamic_shapes=shapes)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+    return {"path": path.name, "compile_seconds": round(time.perf_counter() - start, 1)}
