@@ -78,7 +78,8 @@ def build_card(data: Path, eagle3_run: Path, dflash_run: Path, final: Path, benc
              f"- `dflash/`: DFlash (public format), {df_cfg['num_hidden_layers']} layers, block size "
              f"{df_cfg['block_size']}, target_layer_ids {df_cfg['dflash_config']['target_layer_ids']}, mask token "
              f"{df_cfg['dflash_config']['mask_token_id']} (outside SmolLM2's 49152-row table: the drafter carries "
-             f"`mask_embedding`)",
+             f"`mask_embedding`)" + (f", draft vocab {df_cfg['draft_vocab_size']} (d2t/t2d: its loss vocabulary)"
+                                     if df_cfg.get("draft_vocab_size") else ""),
              "- `router.safetensors`: throughput router (router file v2, spec/router_file.py): 9 free per-round "
              "features -> 16 -> GELU -> 2, each drafter's expected accepted drafts; routes to the best expected "
              "tokens per second among none / EAGLE-3 / DFlash; calibrated threshold, EMA weight and relaxation, and "
