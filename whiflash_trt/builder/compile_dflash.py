@@ -6,13 +6,12 @@ prefill stay the torch module and the proposer (runtime/drafters.py).
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from whiflash_trt.builder.compile_target import INDUCTOR_CONFIGS
+from whiflash_trt.builder.compile_target import package, step_dims
 from whiflash_trt.models.attention import RowKeys
 from whiflash_trt.models.dflash import DFlashDrafter
 
@@ -46,12 +45,7 @@ def compile_dflash(drafter: DFlashDrafter, path: Path) -> dict:
     package `path` -> the manifest entry."""
     if not drafter.kernel_attention:
         raise ValueError("the compiled block forward runs on the engine's kernels: load them and fuse the drafter")
-    start = time.perf_counter()
-    max_pos = drafter.config.max_position_embeddings
-    rows, keys = torch.export.Dim("rows", min=1, max=max_pos), torch.export.Dim("keys", min=1, max=max_pos)
-    pool = {1: torch.export.Dim("slots", min=2)}
+    rows, keys, pool = step_dims(drafter.config.max_position_embeddings)
     shapes = ({0: rows}, {0: rows}, pool, pool, {0: rows}, {0: rows, 1: keys}, {0: rows})
-    with torch.no_grad():
-        program = torch.export.export(DFlashStep(drafter), example_inputs(drafter), dynamic_shapes=shapes)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
-    return {"path": path.name, "compile_seconds": round(time.perf_counter() - start, 1)}
+    seconds = package(DFlashStep(drafter), example_inputs(drafter), shapes, path)
+    return {"path": path.name, "compile_seconds": seconds}

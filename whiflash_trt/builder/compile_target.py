@@ -52,20 +52,31 @@ def example_inputs(target: TargetModel, rows: int = 4, keys: int = 80, slots: in
             (torch.arange(keys) + 8).repeat(rows, 1), positions + 1, torch.arange(rows))
 
 
+def step_dims(max_positions: int) -> tuple[torch.export.Dim, torch.export.Dim, dict]:
+    """The dynamic sizes every step graph shares: its rows, the keys a row reads (RowKeys' width) and a pool's
+    slots (axis 1 of [layers, slots, kv_heads, D])."""
+    return (torch.export.Dim("rows", min=1, max=max_positions), torch.export.Dim("keys", min=1, max=max_positions),
+            {1: torch.export.Dim("slots", min=2)})
+
+
+def package(module: nn.Module, inputs: tuple, shapes: tuple, path: Path) -> float:
+    """torch.export `module` on `inputs` with the dynamic `shapes`, then compile it ahead of time into the package
+    `path` -> the seconds it took."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        program = torch.export.export(module, inputs, dynamic_shapes=shapes)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+    return round(time.perf_counter() - start, 1)
+
+
 def compile_target(target: TargetModel, capture_layers: tuple[int, ...], path: Path) -> dict:
     """Export and compile the target step into the package `path` -> the manifest entry. The target must be fused
     over the loaded kernels (instantiate_target after kernels.load)."""
     if not target.kernel_attention:
         raise ValueError("the compiled target runs on the engine's kernels: load them before instantiating it")
-    start = time.perf_counter()
     max_pos = target.config.max_position_embeddings
-    rows, keys = torch.export.Dim("rows", min=1, max=max_pos), torch.export.Dim("keys", min=1, max=max_pos)
-    logit_rows, slots = torch.export.Dim("logit_rows", min=1, max=max_pos), torch.export.Dim("slots", min=2)
-    pool = {1: slots}
+    rows, keys, pool = step_dims(max_pos)
+    logit_rows = torch.export.Dim("logit_rows", min=1, max=max_pos)
     shapes = ({0: rows}, {0: rows}, pool, pool, {0: rows}, {0: rows, 1: keys}, {0: rows}, {0: logit_rows})
-    with torch.no_grad():
-        program = torch.export.export(TargetStep(target, capture_layers), example_inputs(target),
-                                      dynamic_shapes=shapes)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
-    return {"path": path.name, "capture_layers": list(capture_layers),
-            "compile_seconds": round(time.perf_counter() - start, 1)}
+    seconds = package(TargetStep(target, capture_layers), example_inputs(target), shapes, path)
+    return {"path": path.name, "capture_layers": list(capture_layers), "compile_seconds": seconds}
