@@ -13,7 +13,7 @@ from whiflash_trt.config import AUTO
 from whiflash_trt.manifest import MANIFEST
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
-LAYOUT = 3   # what a default engine holds; raised when that changes (2: EAGLE-3's draft step compiled too; 3: DFlash's block)
+LAYOUT = 3   # what a default engine holds; raised when that changes (2: EAGLE-3's step compiled; 3: DFlash's)
 
 
 def default_engine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:

@@ -178,7 +178,7 @@ class DFlashProposer(Proposer):
         super().__init__(model, pool, target, union)
         # A drafter trained over part of the vocabulary drafts from it alone: the target lm_head's rows of those ids,
         # packed once (SmolLM2: 8192 of 49152 rows, the head's read per round 5.6x smaller). `vocab` maps a column
-        # of head's logits to its target id. A target without its head as a tensor (a graph) drafts over all ids.
+        # of `head`'s logits to its target id. A target without its head as a tensor (a graph) drafts over all ids.
         ids, weight = model.draft_vocab(), target.head_weight()
         self.vocab: list[int] | None = None
         self.head: FrozenLinear | None = None

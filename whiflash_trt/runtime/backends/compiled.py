@@ -1,10 +1,9 @@
 """The "compiled" backend: the target step runs the AOTInductor package whiflash-build made
 (builder/compile_target.py), and so do EAGLE-3's draft step and DFlash's block forward where the engine carries them
 (builder/compile_eagle3.py, compile_dflash.py); embeddings, the LM heads of drafted rows, fc and the KV-only
-prefills stay the torch modules. The
-package's rows are row-invariant like the eager step's but may differ from them in the last place, so every step of
-an engine runs the package: the engine only asks for the captures it was compiled with (another capture, for a tool,
-runs the eager module)."""
+prefills stay the torch modules and the kernels. The package's rows are row-invariant like the eager step's but may
+differ from them in the last place, so every step of an engine runs the package: the engine only asks for the
+captures it was compiled with (another capture, for a tool, runs the eager module)."""
 from __future__ import annotations
 
 from pathlib import Path
