@@ -60,18 +60,35 @@ class CompiledTarget(Target):
         return TargetOutput(logits, hidden, feats)
 
 
-class CompiledEagle3(Eagle3):
-    """An engine's EAGLE-3 (fused, on the kernels) whose draft_step runs the package; the rest is the module."""
+class _CompiledDrafter:
+    """A fused drafter (on the kernels) whose step runs an AOTInductor package; the rest is the module."""
 
-    def __init__(self, eager: Eagle3Drafter, package: Path) -> None:
-        self.eager, self.config, self.fc = eager, eager.config, eager.fc
+    def __init__(self, eager: Eagle3Drafter | DFlashDrafter, package: Path) -> None:
+        self.eager, self.config = eager, eager.config
         self.step = torch._inductor.aoti_load_package(str(package))
 
-    def __getattr__(self, name: str):   # what tools read of the module itself (t2d, midlayer, ...)
+    def __getattr__(self, name: str):   # what tools read of the module itself (fc, t2d, midlayer, layers, ...)
         return getattr(self.eager, name)
 
     def __call__(self, *args) -> torch.Tensor:
         return self.eager(*args)
+
+    def kv_only(self, *args):
+        return self.eager.kv_only(*args)
+
+    def write_kv_only(self, *args) -> None:
+        self.eager.write_kv_only(*args)
+
+    def run_step(self, *inputs: torch.Tensor):
+        """The package over `inputs` (embeds, ..., k_cache, v_cache at 3 and 4, ...), which it reads as the
+        contiguous tensors it was traced with; it writes the pools in place, so they must be contiguous already."""
+        if not (inputs[3].is_contiguous() and inputs[4].is_contiguous()):
+            raise ValueError("the compiled drafter step writes the KV pool in place: it must be contiguous")
+        return self.step(*(t.contiguous() for t in inputs))
+
+
+class CompiledEagle3(_CompiledDrafter, Eagle3):
+    """An engine's EAGLE-3 whose draft_step runs the package."""
 
     def forward_segments(self, *args) -> torch.Tensor:
         return self.eager.forward_segments(*args)
@@ -82,49 +99,22 @@ class CompiledEagle3(Eagle3):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.eager.to_target_ids(draft_ids)
 
-    def kv_only(self, feats, embeds, positions):
-        return self.eager.kv_only(feats, embeds, positions)
-
-    def write_kv_only(self, *args) -> None:
-        self.eager.write_kv_only(*args)
-
     def draft_step(self, embeds, hidden, positions, k_cache, v_cache, write_slots, segments: list[Segment]):
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("the compiled draft step writes the KV pool in place: it must be contiguous")
         keys = row_keys(segments)
-        inputs = (embeds, hidden, positions, k_cache, v_cache, write_slots, keys.slots, keys.lengths)
-        out, logprobs = self.step(*(t.contiguous() for t in inputs))
+        out, logprobs = self.run_step(embeds, hidden, positions, k_cache, v_cache, write_slots, keys.slots,
+                                      keys.lengths)
         return out, logprobs
 
 
-class CompiledDFlash(DFlash):
-    """An engine's DFlash (fused, on the kernels) whose block forward runs the package where the proposer gives the
-    blocks' scratch slots; the rest is the module."""
-
-    def __init__(self, eager: DFlashDrafter, package: Path) -> None:
-        self.eager, self.config, self.mask_embedding = eager, eager.config, eager.mask_embedding
-        self.step = torch._inductor.aoti_load_package(str(package))
-
-    def __getattr__(self, name: str):   # what tools read of the module itself (fc, layers, ...)
-        return getattr(self.eager, name)
-
-    def __call__(self, *args) -> torch.Tensor:
-        return self.eager(*args)
+class CompiledDFlash(_CompiledDrafter, DFlash):
+    """An engine's DFlash whose block forward runs the package where the proposer gives the blocks' scratch slots."""
 
     def forward_many(self, block_embeds, positions, k_cache, v_cache, reads, writes=None) -> torch.Tensor:
         if writes is None:
             return self.eager.forward_many(block_embeds, positions, k_cache, v_cache, reads)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("the compiled block forward writes the KV pool in place: it must be contiguous")
         keys = block_keys(reads, writes)
-        inputs = (block_embeds, positions, k_cache, v_cache, torch.cat(writes), keys.slots, keys.lengths)
-        return self.step(*(t.contiguous() for t in inputs))   # one output: the tensor itself
-
-    def kv_only(self, feats, positions):
-        return self.eager.kv_only(feats, positions)
-
-    def write_kv_only(self, *args) -> None:
-        self.eager.write_kv_only(*args)
+        return self.run_step(block_embeds, positions, k_cache, v_cache, torch.cat(writes), keys.slots,
+                             keys.lengths)   # one output: the tensor itself
 
     def draft_vocab(self) -> torch.Tensor | None:
         return self.eager.draft_vocab()
