@@ -17,11 +17,23 @@ from whiflash_trt.models.eagle3 import Eagle3Drafter
 from whiflash_trt.models.target import TargetModel
 
 
+class Package:
+    """A loaded AOTInductor package, called on its flat tensor inputs. The package's own __call__ parses its pytree
+    specs on every call (~70 us, 4 calls an EAGLE-3 draft); every package here takes positional tensors and gives a
+    tensor or a tuple of tensors, so the flat list of outputs is what the callers unpack."""
+
+    def __init__(self, path: Path) -> None:
+        self.loader = torch._inductor.aoti_load_package(str(path)).loader
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        return self.loader.boxed_run(list(inputs))
+
+
 class CompiledTarget(Target):
     def __init__(self, eager: TargetModel, package: Path, capture_layers: tuple[int, ...]) -> None:
         self.eager, self.capture_layers = eager, capture_layers
         self.config = eager.config
-        self.step = torch._inductor.aoti_load_package(str(package))
+        self.step = Package(package)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -65,7 +77,7 @@ class _CompiledDrafter:
 
     def __init__(self, eager: Eagle3Drafter | DFlashDrafter, package: Path) -> None:
         self.eager, self.config = eager, eager.config
-        self.step = torch._inductor.aoti_load_package(str(package))
+        self.step = Package(package)
 
     def __getattr__(self, name: str):   # what tools read of the module itself (fc, t2d, midlayer, layers, ...)
         return getattr(self.eager, name)
@@ -113,8 +125,9 @@ class CompiledDFlash(_CompiledDrafter, DFlash):
         if writes is None:
             return self.eager.forward_many(block_embeds, positions, k_cache, v_cache, reads)
         keys = block_keys(reads, writes)
-        return self.run_step(block_embeds, positions, k_cache, v_cache, torch.cat(writes), keys.slots,
-                             keys.lengths)   # one output: the tensor itself
+        hidden, = self.run_step(block_embeds, positions, k_cache, v_cache, torch.cat(writes), keys.slots,
+                                keys.lengths)
+        return hidden
 
     def draft_vocab(self) -> torch.Tensor | None:
         return self.eager.draft_vocab()
