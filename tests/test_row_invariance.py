@@ -248,3 +248,18 @@ def smollm2_bf16() -> TargetModel:
 
         _SMOLLM2.append(instantiate_target(load_checkpoint(resolve_target("smollm2-135m")), torch.bfloat16))
     return _SMOLLM2[0]
+
+
+def test_row_keys_take_a_segments_given_order_as_its_mask_orders_it():
+    """A proposer may lay out its rows' keys itself (Segment.order); they must be the keys its mask allows, in
+    logical order, as row_keys finds them from the mask alone."""
+    from whiflash_trt.models.attention import row_keys
+
+    read = torch.randperm(500)[:60]
+    order = torch.tensor([list(range(50)) + [52, 55], list(range(50)) + [53, 56], list(range(50)) + [52, 57]])
+    mask = torch.zeros(3, 60, dtype=torch.bool).scatter_(1, order, True)
+    alone, given = row_keys([Segment(read, mask)]), row_keys([Segment(read, mask, order)])
+    assert given.lengths.tolist() == alone.lengths.tolist() == [52, 52, 52]   # past a row's length: never read
+    assert torch.equal(given.slots, alone.slots[:, :52])
+    both = row_keys([Segment(read, mask, order), Segment(read[:40], torch.ones(1, 40, dtype=torch.bool))])
+    assert torch.equal(both.slots[:3, :52], given.slots) and both.lengths.tolist() == [52, 52, 52, 40]

@@ -26,9 +26,12 @@ class TargetOutput:
 @dataclass
 class Segment:
     """One sequence's part of a batched target forward: its rows (the call's next mask.shape[0] rows) see only the
-    keys at `read_slots` [S] (pool slots in logical order) that `mask` [rows, S] bool allows."""
+    keys at `read_slots` [S] (pool slots in logical order) that `mask` [rows, S] bool allows. `order` [rows, K]
+    (optional, where every row sees K keys): each row's visible indices into read_slots in logical order, i.e. the
+    mask's True columns in order; the kernel's attention reads them as they are instead of ordering the mask."""
     read_slots: torch.Tensor
     mask: torch.Tensor
+    order: torch.Tensor | None = None
 
 
 def feature_columns(layers: tuple[int, ...], captured: tuple[int, ...], hidden_size: int) -> torch.Tensor:
