@@ -173,6 +173,35 @@ def test_argmax_rows_is_torchs_argmax(dtype):
         kernels.argmax_rows(torch.zeros(5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_topk_rows_is_torchs_topk(dtype):
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab, k in ((1, 1, 1), (3, 8192, 3), (5, 8192, 5), (2, 17, 17), (4, 40, 1)):
+        logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+        values, indices = kernels.topk_rows(logits, k)
+        want = torch.topk(logits.float(), k)
+        assert torch.equal(values, want.values) and torch.equal(logits.float().gather(1, indices), values)
+        for row_values, row_indices in zip(values.tolist(), indices.tolist()):   # bf16 ties: smaller index first
+            assert len(set(row_indices)) == k
+            assert all(i < j for a, b, i, j in zip(row_values, row_values[1:], row_indices, row_indices[1:]) if a == b)
+        if dtype == torch.float32:   # distinct values: one right answer
+            assert torch.equal(indices, want.indices)
+        soft_values, soft_indices = kernels.topk_rows(logits, k, log_softmax=True)
+        assert torch.equal(soft_indices, indices)
+        want = torch.log_softmax(logits.float(), dim=-1).gather(1, indices)
+        assert torch.allclose(soft_values, want, rtol=1e-5, atol=1e-5)
+    ties = torch.zeros(2, 100, dtype=dtype)
+    ties[0, [90, 40, 7, 60]] = 3.0   # ties go to the smaller index, whatever lane it sits in
+    ties[1, 55] = float("nan")        # a NaN is never chosen
+    ties[1, 99] = 1.0
+    values, indices = kernels.topk_rows(ties, 3)
+    assert indices.tolist() == [[7, 40, 60], [99, 0, 1]] and values.tolist() == [[3.0] * 3, [1.0, 0.0, 0.0]]
+    with pytest.raises(RuntimeError, match="k must be"):
+        kernels.topk_rows(ties, 101)
+    with pytest.raises(RuntimeError, match="not NaN"):
+        kernels.topk_rows(torch.full((1, 4), float("nan"), dtype=dtype), 2)
+
+
 def test_kernel_rejects_bad_inputs():
     w, _ = weights(64, 32, bias=False)
     packed = kernels.pack_weight(w)

@@ -3,8 +3,8 @@ carries, and loaded once per process:
 - linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with two inner loops (FMA on widened
   pairs, or VDPBF16PS): `load` gives the process the one that is faster on this CPU (choose_gemm);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
-- logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification) and
-  the entropy and top-2 margin of a bonus position (the route signal);
+- logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification), the
+  entropy and top-2 margin of a bonus position (the route signal), and each row's top k (the drafters' trees);
 - paged_attention.cpp: attention of each row to its visible keys in a paged KV pool;
 - kv_prefill.cpp: a drafter's KV-only prefill (plugins/kv_prefill.py) over packed weights, into its pools.
 The GEMMs and the attention give every row the same bits whatever else the call holds (what lossless verification
@@ -279,6 +279,12 @@ def entropy_margin(logits: torch.Tensor) -> tuple[float, float]:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] (fp32 or bf16) -> int64 [rows]: torch.argmax(logits, -1) (the first index of a tie)."""
     return torch.ops.whiflash.argmax_rows(logits)
+
+
+def topk_rows(logits: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] (fp32 or bf16) -> (fp32 values [rows, k], int64 indices [rows, k]): each row's k largest,
+    largest first, ties to the smaller index; with `log_softmax`, the values of torch.log_softmax(logits.float())."""
+    return torch.ops.whiflash.topk_rows(logits, k, log_softmax)
 
 
 def report_unavailable(reason: str) -> None:

@@ -11,13 +11,14 @@ from typing import ClassVar
 
 import torch
 
+from whiflash_trt import kernels
 from whiflash_trt.config import DFLASH, EAGLE3, DFlashTreeConfig, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.models.contracts import DFlash, Eagle3, Segment, Target, feature_columns
 from whiflash_trt.models.layers import FrozenLinear
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
-from whiflash_trt.spec.ddtree import best_prefix_tree
+from whiflash_trt.spec.ddtree import prefix_tree, ranks_needed
 from whiflash_trt.spec.tree import DraftTree, select_nodes
 
 
@@ -100,34 +101,41 @@ class Eagle3Proposer(Proposer):
         h, logprobs = model.draft_step(
             embed(torch.tensor([s.seq.pending for s in searches], device=dev)), model.fc(feats),
             torch.tensor([s.n - 1 for s in searches], device=dev), self.pool.k, self.pool.v,
-            torch.cat([s.read[s.n - 1:s.n] for s in searches]),
-            [Segment(s.read[:s.n], torch.ones(1, s.n, dtype=torch.bool, device=dev)) for s in searches])
-        top = torch.topk(logprobs, k)
+            torch.cat([s.read[s.n - 1:s.n] for s in searches]), [s.root_segment() for s in searches])
+        values, indices = top_k(logprobs, k)
+        ids, values = model.to_target_ids(indices).tolist(), values.tolist()
         for i, s in enumerate(searches):
-            s.start(model.to_target_ids(top.indices[i]).tolist(), top.values[i].tolist(), h[i:i + 1].expand(k, -1))
+            s.start(ids[i], values[i], h[i:i + 1].expand(k, -1))
         for step in range(1, self.tree.depth):
             steps = [s.step_inputs(step, k, scratch) for s in searches]   # (tokens, positions, write, segment)
             out, logprobs = model.draft_step(
                 embed(torch.tensor([t for tokens, *_ in steps for t in tokens], device=dev)),
                 torch.cat([s.level_hidden for s in searches]), torch.cat([p for _, p, _, _ in steps]), self.pool.k,
                 self.pool.v, torch.cat([w for _, _, w, _ in steps]), [seg for *_, seg in steps])
-            child = torch.topk(logprobs, k, dim=-1)   # [rows of every sequence, k]
-            child_ids = model.to_target_ids(child.indices)
+            values, indices = top_k(logprobs, k)   # [rows of every sequence, k]
+            ids, values = model.to_target_ids(indices).tolist(), values.tolist()
             first = 0
             for s in searches:
                 rows = slice(first, first + len(s.level))
-                s.grow(step, child.values[rows], child_ids[rows], out[rows], k)
+                s.grow(step, values[rows], ids[rows], out[rows], k)
                 first = rows.stop
         return [Proposal(s.tree(self.tree.total_tokens), frontier=s.n) for s in searches]
 
 
 class _TreeSearch:
     """One sequence's EAGLE-2 search: candidate nodes (excluding the root) with token, parent (candidate index or
-    -1 = the root), depth and cumulative log-probability; `level` are the nodes the next depth expands."""
+    -1 = the root), depth and cumulative log-probability; `level` are the nodes the next depth expands. Scores and
+    tokens are Python lists (a depth adds k * k of them): tensor ops cost more than the arithmetic here."""
 
     def __init__(self, seq: Sequence, read: torch.Tensor) -> None:
         self.seq, self.read, self.n = seq, read, seq.num_committed
-        self.ancestors: dict[int, list[int]] = {-1: []}    # candidate -> scratch slots of expanded ancestors
+        self.ancestors: dict[int, list[int]] = {-1: []}    # candidate -> read indices of expanded ancestors
+        self.context = torch.arange(self.n, device=read.device)
+
+    def root_segment(self) -> Segment:
+        """The root row at position N-1 sees the context (its own key included)."""
+        return Segment(self.read[:self.n], torch.ones(1, self.n, dtype=torch.bool, device=self.read.device),
+                       self.context[None])
 
     def start(self, tokens: list[int], scores: list[float], hidden: torch.Tensor) -> None:
         k = len(tokens)
@@ -136,28 +144,27 @@ class _TreeSearch:
 
     def step_inputs(self, step: int, k: int, scratch: int):
         """Depth `step`'s rows: the level's tokens at position N - 1 + step, written to scratch slots, each seeing the
-        context and its expanded ancestors."""
+        context and its expanded ancestors (`step` of them, itself included)."""
         n, width, dev = self.n, len(self.level), self.read.device
         base = n + (step - 1) * k
-        mask = torch.zeros(width, n + scratch, dtype=torch.bool, device=dev)
-        mask[:, :n] = True
         for j, node in enumerate(self.level):
             self.ancestors[node] = self.ancestors[self.parents[node]] + [base + j]
-            mask[j, self.ancestors[node]] = True
+        own = torch.tensor([self.ancestors[node] for node in self.level], device=dev)   # [width, step]
+        order = torch.cat([self.context.expand(width, n), own], dim=1)
+        mask = torch.zeros(width, n + scratch, dtype=torch.bool, device=dev).scatter_(1, order, True)
         return ([self.tokens[i] for i in self.level], torch.full((width,), n - 1 + step, device=dev),
-                self.read[base:base + width], Segment(self.read, mask))
+                self.read[base:base + width], Segment(self.read, mask, order))
 
-    def grow(self, step: int, child_values: torch.Tensor, child_ids: torch.Tensor, out: torch.Tensor,
+    def grow(self, step: int, child_values: list[list[float]], child_ids: list[list[int]], out: torch.Tensor,
              k: int) -> None:
-        """Add the level's top-k children; the next level is the k best of them."""
-        child_scores = torch.tensor([self.scores[i] for i in self.level], device=out.device)[:, None] + child_values
+        """Add the level's top-k children; the next level is the k best of them (ties: the earlier candidate)."""
         first = len(self.tokens)
         for j, node in enumerate(self.level):
-            self.tokens += child_ids[j].tolist()
+            self.tokens += child_ids[j]
             self.parents += [node] * k
             self.depths += [step + 1] * k
-            self.scores += child_scores[j].tolist()
-        best = torch.topk(child_scores.flatten(), k).indices.tolist()
+            self.scores += [self.scores[node] + v for v in child_values[j]]
+        best = sorted(range(len(self.tokens) - first), key=lambda c: -self.scores[first + c])[:k]
         self.level = [first + b for b in best]
         self.level_hidden = out[[b // k for b in best]]
 
@@ -276,13 +283,22 @@ class DFlashProposer(Proposer):
             if self.tree.top_k == 1:
                 tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist()[:nodes - 1])
             else:
-                tree, _ = best_prefix_tree(seq.pending, torch.log_softmax(logits.float(), dim=-1), nodes,
-                                           self.tree.top_k)
+                values, ids = top_k(logits, ranks_needed(nodes, logits.shape[1], self.tree.top_k), log_softmax=True)
+                tree, _ = prefix_tree(seq.pending, values.tolist(), ids.tolist(), nodes)
             if self.vocab is not None:   # draft ids -> target ids (the root is one already)
                 tree = DraftTree(tree.tokens[:1] + [self.vocab[t] for t in tree.tokens[1:]], tree.parents,
                                  tree.depths)
             proposals.append(Proposal(tree, frontier=seq.num_committed))
         return proposals
+
+
+def top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest values (fp32; with `log_softmax`, of log_softmax(x)) and their indices, largest first:
+    the engine's kernel where it is loaded (~3 us a row of 8192, aten's topk ~10-20 us), else torch."""
+    if kernels.registered() and x.device.type == "cpu":
+        return kernels.topk_rows(x, k, log_softmax)
+    top = torch.topk(torch.log_softmax(x.float(), dim=-1) if log_softmax else x.float(), k, dim=-1)
+    return top.values, top.indices
 
 
 def max_prefix_tree_nodes(depth: int, top_k: int | None) -> int | float:

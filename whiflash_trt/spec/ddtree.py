@@ -11,6 +11,7 @@ as probable, so prefixes come off the heap in order.
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
@@ -25,16 +26,28 @@ def best_prefix_tree(root: int, logprobs: torch.Tensor, total_tokens: int, top_k
     logprobs: [L, V] log q_d of depth d + 1 (rows need not be normalised for the ranking, but the returned sum is
     only an expectation if they are). top_k: children per node at most (1 = a chain; None = no limit).
     """
+    top = torch.topk(logprobs.float(), ranks_needed(total_tokens, logprobs.shape[1], top_k), dim=-1)
+    return prefix_tree(root, top.values.tolist(), top.indices.tolist(), total_tokens)
+
+
+def ranks_needed(total_tokens: int, vocab: int, top_k: int | None = None) -> int:
+    """Candidates per depth that the tree of `total_tokens` nodes can use (at least 1)."""
     if total_tokens < 1:
         raise ValueError(f"a draft tree needs total_tokens >= 1 (the root), got {total_tokens}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 (or None for no limit), got {top_k}")
-    num_drafts, depth = total_tokens - 1, logprobs.shape[0]
-    width = min(num_drafts, logprobs.shape[1], top_k or num_drafts)
-    if num_drafts == 0 or depth == 0:
+    drafts = total_tokens - 1
+    return max(1, min(drafts, vocab, top_k or drafts))
+
+
+def prefix_tree(root: int, score: list[list[float]], ids: list[list[int]], total_tokens: int
+                ) -> tuple[DraftTree, float]:
+    """best_prefix_tree from each depth's ranked candidates: score[d][r] is log q_{d+1} of ids[d][r], the r-th most
+    probable token at depth d + 1 (best first; as many ranks per depth as ranks_needed gives)."""
+    num_drafts, depth = total_tokens - 1, len(score)
+    if num_drafts <= 0 or depth == 0:
         return DraftTree([root], [-1], [0]), 0.0
-    top = torch.topk(logprobs.float(), width, dim=-1)                 # ranks per depth, best first
-    score, ids = top.values.tolist(), top.indices.tolist()             # [L][width]
+    width = len(score[0])
     # heap entries: (-log prob of the prefix, tiebreak, parent node, depth 1..L, rank at that depth)
     heap = [(-score[0][0], 0, 0, 1, 0)]
     nodes: list[tuple[float, int, int, int]] = []                      # (log prob, parent node, depth, token)
@@ -49,7 +62,7 @@ def best_prefix_tree(root: int, logprobs: torch.Tensor, total_tokens: int, top_k
         if d < depth:
             heapq.heappush(heap, (neg - score[d][0], pushed, node, d + 1, 0))
             pushed += 1
-    return _depth_ordered(root, nodes), sum(torch.tensor([lp for lp, *_ in nodes]).exp().tolist())
+    return _depth_ordered(root, nodes), math.fsum(math.exp(lp) for lp, *_ in nodes)
 
 
 def _depth_ordered(root: int, nodes: list[tuple[float, int, int, int]]) -> DraftTree:
