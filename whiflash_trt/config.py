@@ -205,10 +205,13 @@ class TreeConfig:
     """Shape of EAGLE-3's dynamic draft tree."""
     # Measured on the compiled CPU engine, where a verify's GEMMs are compute-bound past a few rows (a 16-node verify
     # costs ~2.4x a decode step): 6 nodes beat 16 and 8 in every benchmark category (whiflash-bench
-    # --tree-total-tokens 4/6/8/16, 2 prompts per category), and top-k 3 with depth 4 beat 4 with 5 in every one
-    # (3 prompts per category; drafting 4 steps of 3 rows costs less than 5 of 4).
+    # --tree-total-tokens 4/6/8/16, 2 prompts per category), and top-k 3 beat 4 (3 prompts per category). Depth: 3
+    # draft steps beat 4 once the verify and the draft steps got cheaper (AMD EPYC, 2 threads, 5 prompts per
+    # category, 96 tokens, interleaved in one process): speed-up over `ar` 1.349 against 1.291 (tau 1.961 against
+    # 1.974, round 16.1 against 16.9 ms); an earlier 4-prompt run 1.320 against 1.282; depth 2 gave 1.328 and 1.335
+    # (tau 1.88-1.90).
     top_k: int = 3            # children per expanded node (1 = a chain)
-    depth: int = 4            # draft steps per round
+    depth: int = 3            # draft steps per round
     total_tokens: int = 6     # nodes verified per round, root (bonus) included
 
     def __post_init__(self) -> None:
