@@ -144,7 +144,8 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
       const int64_t n = std::min<int64_t>(16, keys - j0);
       if (h == 0) prefetch_chunk(k_pool, v_pool, slot_stride, slots, j0, keys, dim * sizeof(T));
       __m512 d[16];
-      for (int64_t j = 0; j < 16; ++j) d[j] = j < n ? qh.dot(k_pool + slots[j0 + j] * slot_stride) : _mm512_setzero_ps();
+      for (int64_t j = 0; j < 16; ++j)
+        d[j] = j < n ? qh.dot(k_pool + slots[j0 + j] * slot_stride) : _mm512_setzero_ps();
       const __mmask16 m = lanes(n);
       const __m512 s = _mm512_mul_ps(sum_lanes16(d), _mm512_set1_ps(scale));
       _mm512_mask_storeu_ps(scores + h * ld + j0, m, s);
