@@ -206,10 +206,10 @@ class TreeConfig:
     # Measured on the compiled CPU engine, where a verify's GEMMs are compute-bound past a few rows (a 16-node verify
     # costs ~2.4x a decode step): 6 nodes beat 16 and 8 in every benchmark category (whiflash-bench
     # --tree-total-tokens 4/6/8/16, 2 prompts per category), and top-k 3 beat 4 (3 prompts per category). Depth: 3
-    # draft steps beat 4 once the verify and the draft steps got cheaper (AMD EPYC, 2 threads, 5 prompts per
-    # category, 96 tokens, interleaved in one process): speed-up over `ar` 1.349 against 1.291 (tau 1.961 against
-    # 1.974, round 16.1 against 16.9 ms); an earlier 4-prompt run 1.320 against 1.282; depth 2 gave 1.328 and 1.335
-    # (tau 1.88-1.90).
+    # draft steps beat 4 once the verify and the draft steps got cheaper (AMD EPYC, 2 threads, 96 tokens, interleaved
+    # in one process): on held-out prompts (scripts/compare_tree_shapes.py --eagle3 3,4,6 3,3,6 3,2,6, 5 per
+    # category) speed-up over `ar` 1.308 against 1.279 (tau 2.057 against 2.082; depth 2: 1.304, tau 1.963); on the
+    # bench's own prompts 1.349 against 1.291 and 1.320 against 1.282 (depth 2: 1.328, 1.335).
     top_k: int = 3            # children per expanded node (1 = a chain)
     depth: int = 3            # draft steps per round
     total_tokens: int = 6     # nodes verified per round, root (bonus) included
