@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from whiflash_trt.bench.prompts import SOURCE_CATEGORIES, builtin_set
+from whiflash_trt.bench.prompts import add_held_out_options, held_out_prompts
 from whiflash_trt.builder.default_engine import default_engine
 from whiflash_trt.config import AR, DFLASH, EAGLE3, DFlashTreeConfig, GenerationConfig, SpecConfig, TreeConfig
 from whiflash_trt.runtime.device import cpu_model
@@ -37,16 +37,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--eagle3", nargs="*", default=[], metavar="K,D,N", help="EAGLE-3 trees: top-k,depth,nodes")
     p.add_argument("--dflash", nargs="*", type=int, default=[], metavar="N", help="DFlash trees: nodes")
-    p.add_argument("--num-prompts", type=int, default=5, help="prompts per category")
-    p.add_argument("--skip", type=int, default=10, help="first prompts of each category left to the bench")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, default=2)
+    add_held_out_options(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine.load(default_engine())
     specs = variants(args.eagle3, args.dflash)
     names = list(specs)
-    prompts = [q for c in SOURCE_CATEGORIES for q in builtin_set(c)[args.skip:args.skip + args.num_prompts]]
+    prompts = held_out_prompts(args.num_prompts, args.skip)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
     warm = engine.encode(prompts[0].prompt, chat=True)
     for spec in specs.values():

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from whiflash_trt.bench.prompts import SOURCE_CATEGORIES, builtin_set
+from whiflash_trt.bench.prompts import add_held_out_options, held_out_prompts
 from whiflash_trt.builder.default_engine import default_engine
 from whiflash_trt.config import DFLASH, GenerationConfig, SpecConfig
 from whiflash_trt.runtime.device import cpu_model
@@ -24,10 +24,7 @@ from whiflash_trt.runtime.engine import Engine
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-prompts", type=int, default=5, help="prompts per category")
-    p.add_argument("--skip", type=int, default=10, help="first prompts of each category left to the bench")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, default=2)
+    add_held_out_options(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine.load(default_engine())
@@ -36,7 +33,7 @@ def main() -> None:
         raise SystemExit("this engine's DFlash has no draft vocabulary")
     heads = {"draft vocab": (proposer.vocab, proposer.head), "full vocab": (None, None)}
     spec, gen = SpecConfig(mode="dflash"), GenerationConfig(max_new_tokens=args.max_new_tokens)
-    prompts = [x for c in SOURCE_CATEGORIES for x in builtin_set(c)[args.skip:args.skip + args.num_prompts]]
+    prompts = held_out_prompts(args.num_prompts, args.skip)
     print(f"{cpu_model()}, {args.threads} threads; draft vocabulary {len(proposer.vocab)} ids")
     engine.generate(engine.encode(prompts[0].prompt, chat=True), GenerationConfig(max_new_tokens=16), spec=spec)
     sums: dict = defaultdict(lambda: defaultdict(float))

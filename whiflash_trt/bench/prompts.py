@@ -9,6 +9,7 @@ Every prompt is a user message; the harness wraps it in the target's chat templa
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from whiflash_trt.prompt_lines import parse_prompt_lines
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SOURCE_CATEGORIES = ("code", "math", "json", "chat")
 CATEGORIES = SOURCE_CATEGORIES + ("mix",)
+HELD_OUT_FROM = 10   # the tools' held-out prompts start here in each set (the headline bench runs 5)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,21 @@ def builtin_set(category: str) -> list[BenchPrompt]:
     if category not in SOURCE_CATEGORIES:
         raise WhiflashError(f"unknown category {category!r}; expected one of {', '.join(CATEGORIES)}")
     return read_jsonl(DATA_DIR / f"{category}.jsonl", default_category=category)
+
+
+def held_out_prompts(num_prompts: int, skip: int = HELD_OUT_FROM) -> list[BenchPrompt]:
+    """Prompts skip .. skip + num_prompts - 1 of each source category, category by category: for tools that measure
+    or tune outside the benchmark, which runs the first prompts of each set."""
+    return [p for c in SOURCE_CATEGORIES for p in builtin_set(c)[skip:skip + num_prompts]]
+
+
+def add_held_out_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the scripts that measure on held_out_prompts."""
+    parser.add_argument("--num-prompts", type=int, default=5, help="prompts per category")
+    parser.add_argument("--skip", type=int, default=HELD_OUT_FROM, help="first prompts of each category, left to "
+                        "the benchmark")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
 
 
 def mix_set(sets: dict[str, list[BenchPrompt]]) -> list[BenchPrompt]:
