@@ -19,7 +19,7 @@ from whiflash_trt.models.target import TargetModel
 
 class Package:
     """A loaded AOTInductor package, called on its flat tensor inputs. The package's own __call__ parses its pytree
-    specs on every call (~70 us, 4 calls an EAGLE-3 draft); every package here takes positional tensors and gives a
+    specs on every call (~70 us under cProfile; 4 calls an EAGLE-3 draft); every package here takes positional tensors and gives a
     tensor or a tuple of tensors, so the flat list of outputs is what the callers unpack."""
 
     def __init__(self, path: Path) -> None:
