@@ -19,14 +19,19 @@ from whiflash_trt.models.target import TargetModel
 
 class Package:
     """A loaded AOTInductor package, called on its flat tensor inputs. The package's own __call__ parses its pytree
-    specs on every call (~70 us under cProfile; 4 calls an EAGLE-3 draft); every package here takes positional tensors and gives a
-    tensor or a tuple of tensors, so the flat list of outputs is what the callers unpack."""
+    specs on every call (~70 us under cProfile; one call per EAGLE-3 draft step); every package here takes
+    positional tensors and gives a tensor or a tuple of tensors, so the flat list of outputs is what the callers
+    unpack."""
 
     def __init__(self, path: Path) -> None:
         self.loader = torch._inductor.aoti_load_package(str(path)).loader
 
-    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        return self.loader.boxed_run(list(inputs))
+    def __call__(self, inputs: tuple[torch.Tensor, ...], pools: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The package over `inputs`, which it reads as the contiguous tensors it was traced with; it writes the KV
+        `pools` (two of the inputs) in place, so they must be contiguous already."""
+        if not all(pool.is_contiguous() for pool in pools):
+            raise ValueError("a compiled step writes the KV pools in place: they must be contiguous")
+        return self.loader.boxed_run([t.contiguous() for t in inputs])
 
 
 class CompiledTarget(Target):
@@ -62,9 +67,7 @@ class CompiledTarget(Target):
         rows = torch.arange(input_ids.shape[0]) if logits_indices is None else logits_indices
         # the package reads its inputs as the contiguous tensors it was traced with (it does not check strides)
         inputs = (input_ids, positions, k_cache, v_cache, write_slots, keys.slots, keys.lengths, rows)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("the compiled target writes the KV pools in place: they must be contiguous")
-        logits, hidden, *captured = self.step(*(t.contiguous() for t in inputs))
+        logits, hidden, *captured = self.step(inputs, (k_cache, v_cache))
         feats = None
         if capture_layers:
             feats = captured[0] if tuple(capture_layers) == self.capture_layers else captured[0][
@@ -91,13 +94,6 @@ class _CompiledDrafter:
     def write_kv_only(self, *args) -> None:
         self.eager.write_kv_only(*args)
 
-    def run_step(self, *inputs: torch.Tensor):
-        """The package over `inputs` (embeds, ..., k_cache, v_cache at 3 and 4, ...), which it reads as the
-        contiguous tensors it was traced with; it writes the pools in place, so they must be contiguous already."""
-        if not (inputs[3].is_contiguous() and inputs[4].is_contiguous()):
-            raise ValueError("the compiled drafter step writes the KV pool in place: it must be contiguous")
-        return self.step(*(t.contiguous() for t in inputs))
-
 
 class CompiledEagle3(_CompiledDrafter, Eagle3):
     """An engine's EAGLE-3 whose draft_step runs the package."""
@@ -113,8 +109,8 @@ class CompiledEagle3(_CompiledDrafter, Eagle3):
 
     def draft_step(self, embeds, hidden, positions, k_cache, v_cache, write_slots, segments: list[Segment]):
         keys = row_keys(segments)
-        out, logprobs = self.run_step(embeds, hidden, positions, k_cache, v_cache, write_slots, keys.slots,
-                                      keys.lengths)
+        inputs = (embeds, hidden, positions, k_cache, v_cache, write_slots, keys.slots, keys.lengths)
+        out, logprobs = self.step(inputs, (k_cache, v_cache))
         return out, logprobs
 
 
@@ -125,8 +121,8 @@ class CompiledDFlash(_CompiledDrafter, DFlash):
         if writes is None:
             return self.eager.forward_many(block_embeds, positions, k_cache, v_cache, reads)
         keys = block_keys(reads, writes)
-        hidden, = self.run_step(block_embeds, positions, k_cache, v_cache, torch.cat(writes), keys.slots,
-                                keys.lengths)
+        inputs = (block_embeds, positions, k_cache, v_cache, torch.cat(writes), keys.slots, keys.lengths)
+        hidden, = self.step(inputs, (k_cache, v_cache))
         return hidden
 
     def draft_vocab(self) -> torch.Tensor | None:
