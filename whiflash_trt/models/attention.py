@@ -83,22 +83,22 @@ def attention_keys(segments: list[Segment], group: int, use_kernel: bool) -> Key
 def row_keys(segments: list[Segment]) -> RowKeys:
     """A row's visible keys in read order: the context, then (a tree node) its ancestors, then itself, exactly the
     keys a chain gives that position."""
-    if len(segments) == 1 and segments[0].order is not None:   # a draft step's rows: laid out by the proposer
-        seg = segments[0]
-        return RowKeys(seg.read_slots[seg.order], torch.full((seg.order.shape[0],), seg.order.shape[1],
-                                                              device=seg.order.device))
     slots, lengths = [], []
     for seg in segments:
         rows, width = seg.mask.shape
-        count = seg.mask.sum(-1)
-        if seg.order is not None:
+        if seg.order is not None:   # laid out by the caller: every row reads order.shape[1] keys
             slots.append(seg.read_slots[seg.order])
-        elif torch.equal(seg.mask, torch.arange(width, device=seg.mask.device) < count[:, None]):
+            lengths.append(torch.full((rows,), seg.order.shape[1], device=seg.order.device))
+            continue
+        count = seg.mask.sum(-1)
+        if torch.equal(seg.mask, torch.arange(width, device=seg.mask.device) < count[:, None]):
             slots.append(seg.read_slots.expand(rows, width))  # prefill, decode, chain: a prefix of the read keys
         else:
             order = torch.sort((~seg.mask).to(torch.uint8), dim=-1, stable=True).indices
             slots.append(seg.read_slots[order])
         lengths.append(count)
+    if len(slots) == 1:
+        return RowKeys(slots[0], lengths[0])
     width = max(s.shape[1] for s in slots)
     padded = [torch.nn.functional.pad(s, (0, width - s.shape[1])) for s in slots]  # slot 0 past a row's length
     return RowKeys(torch.cat(padded), torch.cat(lengths))

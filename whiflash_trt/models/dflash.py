@@ -117,12 +117,12 @@ class DFlashLayer(nn.Module):
 def block_keys(reads: list[torch.Tensor], writes: list[torch.Tensor]) -> RowKeys:
     """Each block row's keys for the kernel: its sequence's context (reads[i]), then the whole block (writes[i], the
     block's scratch slots: bidirectional)."""
-    if len(reads) == 1:   # every row reads the same keys (no mask to order)
-        keys = torch.cat([reads[0], writes[0]])
-        rows = writes[0].numel()
-        return RowKeys(keys.expand(rows, -1), torch.full((rows,), keys.numel(), device=keys.device))
-    return row_keys([Segment(torch.cat([r, w]), torch.ones(w.numel(), r.numel() + w.numel(), dtype=torch.bool,
-                                                            device=r.device)) for r, w in zip(reads, writes)])
+    segments = []
+    for r, w in zip(reads, writes):
+        keys, rows = torch.cat([r, w]), w.numel()
+        every = torch.arange(keys.numel(), device=keys.device).expand(rows, -1)   # each row reads all its keys
+        segments.append(Segment(keys, torch.ones(rows, keys.numel(), dtype=torch.bool, device=keys.device), every))
+    return row_keys(segments)
 
 
 class DFlashDrafter(nn.Module, DFlash):
