@@ -143,20 +143,16 @@ def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engin
     target = instantiate_target(ckpt, torch.bfloat16)
     entry = compile_target(target, capture_layers, engine_dir / COMPILED_DIR / "target.pt2")
     section = {"target": entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}}
-    if EAGLE3 in drafters:
+    steps = {EAGLE3: ("EAGLE-3's draft step", compile_eagle3), DFLASH: ("DFlash's block forward", compile_dflash)}
+    for name, (what, compile_step) in steps.items():
+        if name not in drafters:
+            continue
         if show_progress:
-            print("compiling EAGLE-3's draft step", file=sys.stderr, flush=True)
-        drafter = copy.deepcopy(drafters[EAGLE3]).to(torch.bfloat16).requires_grad_(False).eval()
+            print(f"compiling {what}", file=sys.stderr, flush=True)
+        drafter = copy.deepcopy(drafters[name]).to(torch.bfloat16).requires_grad_(False).eval()
         drafter.fuse_projections()   # the engine's layout, over the kernels loaded above
-        entry = compile_eagle3(drafter, engine_dir / COMPILED_DIR / "eagle3.pt2")
-        section[EAGLE3] = entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}
-    if DFLASH in drafters:
-        if show_progress:
-            print("compiling DFlash's block forward", file=sys.stderr, flush=True)
-        drafter = copy.deepcopy(drafters[DFLASH]).to(torch.bfloat16).requires_grad_(False).eval()
-        drafter.fuse_projections()
-        entry = compile_dflash(drafter, engine_dir / COMPILED_DIR / "dflash.pt2")
-        section[DFLASH] = entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}
+        entry = compile_step(drafter, engine_dir / COMPILED_DIR / f"{name}.pt2")
+        section[name] = entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}
     return section
 
 
