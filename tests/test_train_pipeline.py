@@ -307,3 +307,65 @@ def test_sigterm_ends_a_training_run_with_a_checkpoint(workspace, tmp_path):
     assert torch.load(out / "state.pt", weights_only=False)["run"]["step"] == 2
     assert train_main(args) == 0
     assert [r["step"] for r in read_log(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_kept_token_level_recomputes_the_generated_features_bit_for_bit(workspace, tmp_path):
+    kept, restored = tmp_path / "kept", tmp_path / "restored"
+    assert train_main(["keep", "--data", str(workspace / "data"), "--output", str(kept)]) == 0
+    assert not list(kept.rglob("features-*")) and (kept / "router" / "manifest.json").is_file()
+    with pytest.raises(ValueError, match="whiflash-train features"):
+        TrainingData(kept)
+    assert train_main(["features", "--data", str(restored), "--tokens-from", str(kept),
+                       "--batch-tokens", "300"]) == 0
+    for split in ("", "router"):
+        generated, recomputed = TrainingData(workspace / "data" / split), TrainingData(restored / split)
+        assert len(generated) == len(recomputed) > 0
+        for k in range(len(generated)):
+            a, b = generated[k], recomputed[k]
+            assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+            assert torch.equal(a.features, b.features) and torch.equal(a.hidden, b.hidden)
+    assert train_main(["features", "--data", str(restored)]) == 0   # nothing left to do
+
+
+def test_dflash_training_can_start_from_a_trained_drafter(workspace, tmp_path):
+    from whiflash_trt.train.dflash_trainer import DFlashOptions, make_drafter
+    from whiflash_trt.train.target import load_target
+
+    target, _ = load_target(str(workspace / "target"), "fp32")
+    trained = load_dflash(workspace / "df" / "export", target.config)
+    opts = DFlashOptions(num_layers=2, draft_block_len=4, init_from=str(workspace / "df" / "export"))
+    drafter = make_drafter(target, trained.config.target_layer_ids, opts)
+    for name, value in trained.state_dict().items():
+        if name not in ("d2t", "t2d"):
+            assert torch.equal(drafter.state_dict()[name], value.float()), name
+    with pytest.raises(ValueError, match="num_layers 2 != 3"):
+        make_drafter(target, trained.config.target_layer_ids, dataclasses.replace(opts, num_layers=3))
+    common = ["--data", str(workspace / "data"), "--steps", "2", "--seqs-per-step", "2", "--no-progress"]
+    assert train_main(["dflash", *common, "--output", str(tmp_path / "df2"), "--layers", "2",
+                       "--draft-block-len", "4", "--anchors", "8", "--init-from", str(workspace / "df" / "export")]) == 0
+    assert (tmp_path / "df2" / "export" / "model.safetensors").is_file()
+
+
+def test_a_folder_written_before_the_token_level_split_still_reads(workspace, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from whiflash_trt.train.data import read_manifest
+    from whiflash_trt.train.kept import copy_token_level
+
+    src, old = workspace / "data", tmp_path / "old"
+    old.mkdir()
+    manifest = read_manifest(src)
+    for i, entry in enumerate(manifest["shards"]):   # the one-file layout: tokens and features together
+        name = f"shard-{i:05d}.safetensors"
+        save_file(load_file(str(src / entry.pop("tokens"))) | load_file(str(src / entry.pop("features"))),
+                  str(old / name))
+        entry["file"] = name
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copy(src / "prompts.train.jsonl", old)
+    new_data, old_data = TrainingData(src), TrainingData(old)
+    assert len(new_data) == len(old_data) > 0
+    assert all(torch.equal(new_data[k].features, old_data[k].features) for k in range(len(new_data)))
+    with pytest.raises(ValueError, match="regenerate it"):
+        copy_token_level(old, tmp_path / "kept")

@@ -1,4 +1,4 @@
-"""`whiflash-train data|eagle3|dflash|router`: thin argument parsing around the trainers."""
+"""`whiflash-train data|keep|features|eagle3|dflash|router|eval`: thin argument parsing around the trainers."""
 from __future__ import annotations
 
 import argparse
@@ -49,6 +49,36 @@ def _run_data(args) -> None:
         max_new_tokens=args.max_new_tokens, lanes=args.lanes, shard_size=args.shard_size,
         sampled_fraction=args.sampled_fraction, max_sequences=args.max_sequences, seed=args.seed, dtype=args.dtype,
         split=args.split))
+
+
+def _keep(sub) -> None:
+    p = sub.add_parser("keep", help="copy a data folder's token level (no features: a few MB) to keep it")
+    p.add_argument("--data", type=Path, required=True, help="data folder written by whiflash-train data")
+    p.add_argument("--output", type=Path, required=True, help="folder to hold the token level (e.g. data/<target>)")
+    _common(p)
+
+
+def _run_keep(args) -> None:
+    from whiflash_trt.train.kept import copy_token_level
+
+    print(f"{copy_token_level(args.data, args.output)} files of {args.data}'s token level copied to {args.output}")
+
+
+def _features(sub) -> None:
+    p = sub.add_parser("features", help="recompute the target features a data folder lacks from its tokens")
+    p.add_argument("--data", type=Path, required=True, help="data folder (created from --tokens-from if given)")
+    p.add_argument("--tokens-from", type=Path, help="a kept token level (whiflash-train keep) to copy into DATA")
+    p.add_argument("--target", default=None, help="default: the target the data was made with")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per target forward at most")
+    _common(p)
+
+
+def _run_features(args) -> None:
+    from whiflash_trt.train.kept import copy_token_level, recompute_features
+
+    if args.tokens_from:
+        copy_token_level(args.tokens_from, args.data)
+    print(f"{recompute_features(args.data, args.target, args.batch_tokens)} feature shards written in {args.data}")
 
 
 def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, seqs: int) -> None:
@@ -114,13 +144,16 @@ def _dflash(sub) -> None:
     p.add_argument("--anchors", type=int, default=24, help="random block anchors per sequence")
     p.add_argument("--loss-vocab", type=int, default=16384, help="CE over the most frequent tokens (0 = full vocab)")
     p.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of blocks inside the prompt")
+    p.add_argument("--init-from", type=Path, help="start from this DFlash checkpoint's weights (same shape; e.g. the "
+                                                  "shipped drafter, trained further on new data)")
 
 
 def _run_dflash(args) -> None:
     from whiflash_trt.train.dflash_trainer import DFlashOptions, train_dflash
 
     opts = DFlashOptions(num_layers=args.layers, draft_block_len=args.draft_block_len, gamma=args.gamma,
-                         anchors=args.anchors, loss_vocab_size=args.loss_vocab, prompt_weight=args.prompt_weight)
+                         anchors=args.anchors, loss_vocab_size=args.loss_vocab, prompt_weight=args.prompt_weight,
+                         init_from=str(args.init_from) if args.init_from else None)
     out = train_dflash(args.data, args.output, _data_target(args), opts, _loop_options(args))
     print(f"DFlash drafter written to {out}")
 
@@ -257,7 +290,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="whiflash-train", description="Train EAGLE-3, DFlash and the router.",
                                 formatter_class=DefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, help="the step to run")
-    for add in (_data, _eagle3, _dflash, _router, _eval):
+    for add in (_data, _keep, _features, _eagle3, _dflash, _router, _eval):
         add(sub)
     for command in sub.choices.values():
         command.formatter_class = DefaultsHelpFormatter
@@ -269,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     try:
-        {"data": _run_data, "eagle3": _run_eagle3, "dflash": _run_dflash, "router": _run_router,
+        {"data": _run_data, "keep": _run_keep, "features": _run_features, "eagle3": _run_eagle3,
+         "dflash": _run_dflash, "router": _run_router,
          "eval": _run_eval}[args.command](args)
     except (WhiflashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

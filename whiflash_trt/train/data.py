@@ -3,10 +3,14 @@
 Folder layout (all written atomically, so the command can be stopped and rerun at any time):
     DATA/manifest.json          target, capture layers, sources and counts per category, shards
     DATA/prompts.{train,val,router}.jsonl   the prompt splits (val and router prompts are never trained on)
-    DATA/shard-00000.safetensors  tokens [N] int32, features [N, C*H] and hidden [N, H] (target dtype),
-                                  seq_offsets [S+1], prompt_lens [S], prompt_index [S], greedy [S]
+    DATA/tokens-00000.safetensors    the token level: tokens [N] int32, seq_offsets [S+1], prompt_lens [S],
+                                     prompt_index [S], greedy [S] (a few bytes per token: kept, see train/kept.py)
+    DATA/features-00000.safetensors  features [N, C*H] and hidden [N, H] (target dtype; ~3.5 KB per token for
+                                     SmolLM2: recomputed from the tokens by `whiflash-train features`)
 A sequence is prompt (chat template) + the target's own response; features are the outputs of the captured target
 layers at every position, hidden the final-norm state (lm_head(hidden[t]) is the target's distribution for t+1).
+Folders written before the split hold both parts in one `shard-00000.safetensors` (manifest key "file"); they still
+read.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from whiflash_trt.models.contracts import feature_columns
 from whiflash_trt.train.generate import BatchedGenerator, Finished
 from whiflash_trt.train.sources import CATEGORIES, PromptRecord, build_prompts, require_prompt_packages
 from whiflash_trt.runtime.tokenizer_policy import chat_ids, eos_ids
-from whiflash_trt.train.target import load_target
+from whiflash_trt.train.target import load_engine_target
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val", "router")
@@ -95,24 +99,48 @@ def _write_manifest(folder: Path, manifest: dict) -> None:
     tmp.rename(folder / MANIFEST)
 
 
+TOKEN_KEYS = ("tokens", "seq_offsets", "prompt_lens", "prompt_index", "greedy")
+
+
+def shard_names(index: int) -> dict[str, str]:
+    return {"tokens": f"tokens-{index:05d}.safetensors", "features": f"features-{index:05d}.safetensors"}
+
+
+def save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.rename(path)
+
+
 def _write_shard(folder: Path, index: int, seqs: list[Finished]) -> dict:
     lengths = [len(s.tokens) for s in seqs]
     offsets = torch.tensor([0] + lengths).cumsum(0)
-    tensors = {
-        "tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int32),
-        "features": torch.cat([s.features for s in seqs]).contiguous(),
-        "hidden": torch.cat([s.hidden for s in seqs]).contiguous(),
-        "seq_offsets": offsets,
-        "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.int32),
-        "prompt_index": torch.tensor([s.meta["index"] for s in seqs], dtype=torch.int64),
-        "greedy": torch.tensor([s.meta["temperature"] == 0 for s in seqs]),
-    }
-    name = f"shard-{index:05d}.safetensors"
-    save_file(tensors, str(folder / (name + ".tmp")))
-    (folder / (name + ".tmp")).rename(folder / name)
-    return {"file": name, "num_sequences": len(seqs), "num_tokens": int(offsets[-1]),
-            "num_response_tokens": sum(len(s.tokens) - s.prompt_len for s in seqs),
-            "prompt_index": [s.meta["index"] for s in seqs]}
+    names = shard_names(index)
+    save_atomic({"tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int32),
+                 "seq_offsets": offsets,
+                 "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.int32),
+                 "prompt_index": torch.tensor([s.meta["index"] for s in seqs], dtype=torch.int64),
+                 "greedy": torch.tensor([s.meta["temperature"] == 0 for s in seqs])}, folder / names["tokens"])
+    save_atomic({"features": torch.cat([s.features for s in seqs]).contiguous(),
+                 "hidden": torch.cat([s.hidden for s in seqs]).contiguous()}, folder / names["features"])
+    return names | {"num_sequences": len(seqs), "num_tokens": int(offsets[-1]),
+                    "num_response_tokens": sum(len(s.tokens) - s.prompt_len for s in seqs),
+                    "prompt_index": [s.meta["index"] for s in seqs]}
+
+
+def load_shard(folder: Path, entry: dict, features: bool = True) -> dict[str, torch.Tensor]:
+    """One shard's tensors (the token level only unless `features`); a clear error where its features are missing
+    (a folder restored from its kept token level)."""
+    if "file" in entry:   # written before the token level had its own file
+        return load_file(str(folder / entry["file"]))
+    tensors = load_file(str(folder / entry["tokens"]))
+    if features:
+        path = folder / entry["features"]
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: recompute the features with whiflash-train features --data "
+                             f"{folder}")
+        tensors |= load_file(str(path))
+    return tensors
 
 
 def _grow_prompts(root: Path, manifest: dict, per_category: int) -> None:
@@ -146,8 +174,7 @@ def generate_data(opts: DataOptions) -> Path:
         out.mkdir(exist_ok=True)
         if not (out / MANIFEST).is_file():
             _write_manifest(out, read_manifest(root) | {"shards": [], "split": opts.split})
-    model, tokenizer = load_target(opts.target, opts.dtype)
-    model.fuse_projections()   # the engine's layout: the data's bits are the runtime's
+    model, tokenizer = load_engine_target(opts.target, opts.dtype)   # the data's bits are the runtime's
     n = model.config.num_layers
     capture = opts.capture_layers or default_capture_layers(n)
     if (out / MANIFEST).is_file():
@@ -234,7 +261,7 @@ class TrainingData:
         shards = self.manifest["shards"][:num_shards]
         if not shards:
             raise ValueError(f"{self.folder} holds no data shards yet (run whiflash-train data)")
-        self.shards = [load_file(str(self.folder / s["file"])) for s in shards]
+        self.shards = [load_shard(self.folder, s) for s in shards]
         self.index = [(i, j) for i, s in enumerate(self.shards) for j in range(len(s["prompt_lens"]))]
         self.capture_layers = tuple(self.manifest["capture_layers"])
         self.hidden_size = int(self.manifest["hidden_size"])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from whiflash_trt.config import RopeConfig
 from whiflash_trt.models.dflash import DFlashConfig, DFlashDrafter
-from whiflash_trt.models.drafter_checkpoints import save_dflash
+from whiflash_trt.models.drafter_checkpoints import load_dflash, save_dflash
 from whiflash_trt.models.layers import apply_rope
 from whiflash_trt.models.target import TargetModel
 from whiflash_trt.train.checkpointing import peek_extra
@@ -36,6 +36,7 @@ class DFlashOptions:
     target_layer_ids: tuple[int, ...] | None = None   # None: the data's captured layers
     mask_token_id: int | None = None    # None: the target's vocab size (a row the target does not have)
     init_from_target: bool = True
+    init_from: str | None = None        # a DFlash checkpoint to start from (its weights; same shape) instead
     loss_vocab_size: int = 16384       # cross-entropy over the most frequent tokens only (CPU cost); 0 = all
     prompt_weight: float = 0.3         # loss weight of blocks anchored inside the prompt (teacher-forced labels)
 
@@ -58,9 +59,28 @@ def make_drafter(target: TargetModel, layer_ids: tuple[int, ...], opts: DFlashOp
                        max_position_embeddings=tc.max_position_embeddings, rope=RopeConfig(theta=tc.rope.theta),
                        draft_block_len=opts.draft_block_len, mask_token_id=mask_id, target_layer_ids=tuple(layer_ids))
     drafter = DFlashDrafter(cfg, tc.hidden_size, carries_mask_embedding=mask_id >= tc.vocab_size)
-    if opts.init_from_target:
+    if opts.init_from:
+        _init_from_checkpoint(drafter, Path(opts.init_from), target)
+    elif opts.init_from_target:
         _init_from_target(drafter, target)
     return drafter
+
+
+@torch.no_grad()
+def _init_from_checkpoint(drafter: DFlashDrafter, path: Path, target: TargetModel) -> None:
+    """Warm start from a trained drafter of the same shape (training it further on new data); its draft vocabulary
+    is not kept: the run's own loss vocabulary is exported."""
+    source = load_dflash(path, target.config)
+    mine, theirs = drafter.config, source.config
+    same = ("num_layers", "draft_block_len", "target_layer_ids", "mask_token_id", "hidden_size", "intermediate_size")
+    differ = [f"{k} {getattr(theirs, k)} != {getattr(mine, k)}" for k in same if getattr(mine, k) != getattr(theirs, k)]
+    if differ:
+        raise ValueError(f"cannot start from {path}: its shape differs from this run's ({'; '.join(differ)})")
+    state = {k: v for k, v in source.state_dict().items() if k not in ("d2t", "t2d")}
+    drafter.load_state_dict(state, strict=False)
+    missing = set(drafter.state_dict()) - set(state) - {"d2t", "t2d"}
+    if missing:
+        raise ValueError(f"{path} lacks {sorted(missing)}")
 
 
 @torch.no_grad()

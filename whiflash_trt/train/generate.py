@@ -66,12 +66,33 @@ class BatchedGenerator:
         """Feed each lane its tokens in one forward, keep their features and hidden states, sample the next token."""
         outs = self.runner.step_many([Feed(ln.seq, t, logits_rows=[len(t) - 1]) for ln, t in zip(lanes, tokens)],
                                      capture=True)
-        width = len(self.capture) * self.model.config.hidden_size
         for lane, fed, out in zip(lanes, tokens, outs):
-            lane.feats.append(out.captured[:, :width])
-            lane.hidden.append(self.model.norm(out.captured[:, self.last_cols]))
+            feats, hidden = self._split_capture(out.captured)
+            lane.feats.append(feats)
+            lane.hidden.append(hidden)
             temperature = SamplingConfig(lane.meta.get("temperature", 0.0))
             lane.seq.commit(fed, sampling.next_token(out.logits[-1], temperature, generator))
+
+    def _split_capture(self, captured: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward's captured columns -> (features of the capture layers, final-norm hidden states)."""
+        width = len(self.capture) * self.model.config.hidden_size
+        return captured[:, :width], self.model.norm(captured[:, self.last_cols])
+
+    def features_of(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(features, hidden) of whole token sequences fed in one forward (a data folder's features recomputed from
+        its tokens). A row's bits do not depend on how its sequence is fed (the kernels are row-invariant), so these
+        are the bits generation recorded one token at a time."""
+        seqs: list[Sequence] = []
+        try:
+            for ids in sequences:
+                seqs.append(Sequence(ids, self.allocator, self.block_size))
+                seqs[-1].reserve(len(ids))
+            outs = self.runner.step_many([Feed(s, list(ids), logits_rows=[len(ids) - 1])
+                                          for s, ids in zip(seqs, sequences)], capture=True)
+            return [self._split_capture(out.captured) for out in outs]
+        finally:
+            for seq in seqs:
+                seq.free()
 
     def add(self, prompt_ids: list[int], meta: dict, generator: torch.Generator) -> None:
         if len(prompt_ids) >= self.max_len:
