@@ -369,3 +369,12 @@ def test_a_folder_written_before_the_token_level_split_still_reads(workspace, tm
     assert all(torch.equal(new_data[k].features, old_data[k].features) for k in range(len(new_data)))
     with pytest.raises(ValueError, match="regenerate it"):
         copy_token_level(old, tmp_path / "kept")
+
+
+def test_dflash_soft_labels_train_towards_the_target_distribution(workspace, tmp_path):
+    common = ["--data", str(workspace / "data"), "--steps", str(STEPS), "--seqs-per-step", "2", "--lr", "3e-3",
+              "--warmup-steps", "2", "--no-progress"]
+    assert train_main(["dflash", *common, "--output", str(tmp_path / "soft"), "--layers", "2",
+                       "--draft-block-len", "4", "--anchors", "8", "--soft-labels"]) == 0
+    losses = [r["loss"] for r in read_log(tmp_path / "soft")]
+    assert len(losses) == STEPS and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses

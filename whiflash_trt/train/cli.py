@@ -144,6 +144,8 @@ def _dflash(sub) -> None:
     p.add_argument("--anchors", type=int, default=24, help="random block anchors per sequence")
     p.add_argument("--loss-vocab", type=int, default=16384, help="CE over the most frequent tokens (0 = full vocab)")
     p.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of blocks inside the prompt")
+    p.add_argument("--soft-labels", action="store_true",
+                   help="cross-entropy to the target's distribution (over the loss vocabulary), not its greedy token")
     p.add_argument("--init-from", type=Path, help="start from this DFlash checkpoint's weights (same shape; e.g. the "
                                                   "shipped drafter, trained further on new data)")
 
@@ -153,7 +155,7 @@ def _run_dflash(args) -> None:
 
     opts = DFlashOptions(num_layers=args.layers, draft_block_len=args.draft_block_len, gamma=args.gamma,
                          anchors=args.anchors, loss_vocab_size=args.loss_vocab, prompt_weight=args.prompt_weight,
-                         init_from=str(args.init_from) if args.init_from else None)
+                         soft_labels=args.soft_labels, init_from=str(args.init_from) if args.init_from else None)
     out = train_dflash(args.data, args.output, _data_target(args), opts, _loop_options(args))
     print(f"DFlash drafter written to {out}")
 

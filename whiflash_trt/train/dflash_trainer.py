@@ -39,6 +39,8 @@ class DFlashOptions:
     init_from: str | None = None        # a DFlash checkpoint to start from (its weights; same shape) instead
     loss_vocab_size: int = 16384       # cross-entropy over the most frequent tokens only (CPU cost); 0 = all
     prompt_weight: float = 0.3         # loss weight of blocks anchored inside the prompt (teacher-forced labels)
+    soft_labels: bool = False          # CE to the target's distribution (over the loss vocabulary) instead of its
+                                       # greedy token
 
     def __post_init__(self) -> None:
         if self.draft_block_len < 2 or self.num_layers < 1 or self.anchors < 1:
@@ -192,15 +194,20 @@ class DFlashLoss:
         valid = label_pos < t
         greedy = self.labels(seq, label_pos.clamp(max=t - 1))
         labels = self.to_row[greedy]
-        valid = valid & (labels >= 0)
         logits = hidden[:, 1:] @ self.head.T                         # [A, B-1, Vl]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1),
-                             reduction="none")
+        if self.opts.soft_labels:   # the target's distribution of x_p is lm_head(hidden[p - 1]), renormalised
+            with torch.no_grad():
+                soft = (seq.hidden[label_pos.clamp(max=t - 1) - 1].float() @ self.head.T).softmax(-1)
+            ce = -(soft * logits.log_softmax(-1)).sum(-1).reshape(-1)
+        else:
+            valid = valid & (labels >= 0)
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1),
+                                 reduction="none")
         block_w = torch.where(anchors >= seq.prompt_len, 1.0, self.opts.prompt_weight)     # [A]
         w = (block_w[:, None] * self.slot_weight[None, :] * valid).reshape(-1)
         loss = (ce * w).sum() / w.sum()
         with torch.no_grad():
-            hit = (logits.argmax(-1) == labels) & valid
+            hit = (logits.argmax(-1) == labels) & valid & (labels >= 0)
             # expected accepted drafts per block if verified against these labels: the run of leading hits
             run = hit.long().cumprod(-1).sum(-1).float()
             resp = anchors >= seq.prompt_len
