@@ -378,3 +378,14 @@ def test_dflash_soft_labels_train_towards_the_target_distribution(workspace, tmp
                        "--draft-block-len", "4", "--anchors", "8", "--soft-labels"]) == 0
     losses = [r["loss"] for r in read_log(tmp_path / "soft")]
     assert len(losses) == STEPS and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+
+def test_features_of_other_layers_from_the_same_tokens(workspace, tmp_path):
+    kept, other = tmp_path / "kept", tmp_path / "other"
+    assert train_main(["keep", "--data", str(workspace / "data"), "--output", str(kept)]) == 0
+    assert train_main(["features", "--data", str(other), "--tokens-from", str(kept), "--capture-layers", "0,2"]) == 0
+    data, generated = TrainingData(other), TrainingData(workspace / "data")
+    assert data.capture_layers == (0, 2) and TrainingData(other / "router").capture_layers == (0, 2)
+    assert data[0].features.shape == (len(data[0].tokens), 2 * 64)
+    assert torch.equal(data[0].hidden, generated[0].hidden)   # the final state does not depend on what is captured
+    assert train_main(["features", "--data", str(other), "--capture-layers", "1,3,4"]) == 2   # features exist

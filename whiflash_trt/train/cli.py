@@ -70,6 +70,8 @@ def _features(sub) -> None:
     p.add_argument("--tokens-from", type=Path, help="a kept token level (whiflash-train keep) to copy into DATA")
     p.add_argument("--target", default=None, help="default: the target the data was made with")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per target forward at most")
+    p.add_argument("--capture-layers", help="comma-separated 0-based target layers to capture instead of the data's "
+                                            "(a DATA without features yet)")
     _common(p)
 
 
@@ -78,7 +80,9 @@ def _run_features(args) -> None:
 
     if args.tokens_from:
         copy_token_level(args.tokens_from, args.data)
-    print(f"{recompute_features(args.data, args.target, args.batch_tokens)} feature shards written in {args.data}")
+    layers = tuple(int(x) for x in args.capture_layers.split(",")) if args.capture_layers else None
+    written = recompute_features(args.data, args.target, args.batch_tokens, layers)
+    print(f"{written} feature shards written in {args.data}")
 
 
 def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, seqs: int) -> None:

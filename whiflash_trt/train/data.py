@@ -93,7 +93,7 @@ def read_manifest(folder: Path) -> dict:
     return json.loads((Path(folder) / MANIFEST).read_text())
 
 
-def _write_manifest(folder: Path, manifest: dict) -> None:
+def write_manifest(folder: Path, manifest: dict) -> None:
     tmp = folder / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     tmp.rename(folder / MANIFEST)
@@ -155,7 +155,7 @@ def _grow_prompts(root: Path, manifest: dict, per_category: int) -> None:
     manifest.setdefault("growth", []).append({"from_per_category": manifest["options"]["per_category"],
                                               "to_per_category": per_category, "added_prompts": len(added)})
     manifest["options"]["per_category"] = per_category
-    _write_manifest(root, manifest)
+    write_manifest(root, manifest)
 
 
 def _interrupt(signum, frame):
@@ -173,7 +173,7 @@ def generate_data(opts: DataOptions) -> Path:
             raise ValueError(f"{root} has no prompts yet: run whiflash-train data --split train first")
         out.mkdir(exist_ok=True)
         if not (out / MANIFEST).is_file():
-            _write_manifest(out, read_manifest(root) | {"shards": [], "split": opts.split})
+            write_manifest(out, read_manifest(root) | {"shards": [], "split": opts.split})
     model, tokenizer = load_engine_target(opts.target, opts.dtype)   # the data's bits are the runtime's
     n = model.config.num_layers
     capture = opts.capture_layers or default_capture_layers(n)
@@ -196,7 +196,7 @@ def generate_data(opts: DataOptions) -> Path:
             "disjointness": "reasoning-gym seeds >= 1000 (benchmark: < 1000); bfcl-eval subsets other than "
                             "simple_python and multiple; stdlib code/doc prompts, no HumanEval",
             "shards": []}
-        _write_manifest(out, manifest)
+        write_manifest(out, manifest)
     prompts = read_prompts(root / f"prompts.{opts.split}.jsonl")
     done = {i for shard in manifest["shards"] for i in shard["prompt_index"]}
     eos = eos_ids(model.config, tokenizer)
@@ -229,13 +229,13 @@ def generate_data(opts: DataOptions) -> Path:
             bar.set_postfix(resp_tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
             if len(finished) >= opts.shard_size or (finished and not queue and not gen.active):
                 manifest["shards"].append(_write_shard(out, len(manifest["shards"]), finished))
-                _write_manifest(out, manifest)
+                write_manifest(out, manifest)
                 finished = []
     except KeyboardInterrupt:   # stopped (SIGTERM / Ctrl-C): keep what is generated, in-flight ones truncated
         finished += gen.drain()
         if finished:
             manifest["shards"].append(_write_shard(out, len(manifest["shards"]), finished))
-            _write_manifest(out, manifest)
+            write_manifest(out, manifest)
     finally:
         signal.signal(signal.SIGTERM, previous)
     bar.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from whiflash_trt.train.data import MANIFEST, SPLITS, load_shard, read_manifest, save_atomic
+from whiflash_trt.train.data import MANIFEST, SPLITS, load_shard, read_manifest, save_atomic, write_manifest
 from whiflash_trt.train.generate import BatchedGenerator
 from whiflash_trt.train.target import load_engine_target
 
@@ -61,11 +61,21 @@ def copy_token_level(source: Path, dest: Path) -> int:
     return copied
 
 
-def recompute_features(root: Path, target: str | None = None, batch_tokens: int = 4096) -> int:
-    """Write every features file the folder's manifests list and it lacks; returns how many were written."""
+def recompute_features(root: Path, target: str | None = None, batch_tokens: int = 4096,
+                       capture_layers: tuple[int, ...] | None = None) -> int:
+    """Write every features file the folder's manifests list and it lacks; returns how many were written.
+    `capture_layers`: capture these target layers instead of the manifest's (a folder without features yet: the
+    feature-layer ablation of a drafter recipe, on the same tokens)."""
     folders = data_folders(Path(root))
     if not folders:
         raise ValueError(f"{root} is not a data folder (no {MANIFEST})")
+    for folder in folders if capture_layers is not None else ():
+        manifest = read_manifest(folder)
+        if manifest["capture_layers"] != list(capture_layers):
+            if any((folder / e["features"]).is_file() for e in manifest["shards"] if "features" in e):
+                raise ValueError(f"{folder} holds features of layers {manifest['capture_layers']}: recompute other "
+                                 f"layers into a new folder (--tokens-from {folder})")
+            write_manifest(folder, manifest | {"capture_layers": list(capture_layers)})
     todo = [(f, e) for f in folders for e in read_manifest(f)["shards"]
             if "features" in e and not (f / e["features"]).is_file()]
     if not todo:
