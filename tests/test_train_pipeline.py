@@ -389,3 +389,17 @@ def test_features_of_other_layers_from_the_same_tokens(workspace, tmp_path):
     assert data[0].features.shape == (len(data[0].tokens), 2 * 64)
     assert torch.equal(data[0].hidden, generated[0].hidden)   # the final state does not depend on what is captured
     assert train_main(["features", "--data", str(other), "--capture-layers", "1,3,4"]) == 2   # features exist
+
+
+def test_eagle3_training_can_start_from_a_trained_drafter(workspace, tmp_path):
+    common = ["--data", str(workspace / "data"), "--steps", "2", "--seqs-per-step", "2", "--no-progress"]
+    start = workspace / "e3" / "export"
+    assert train_main(["eagle3", *common, "--output", str(tmp_path / "e3"), "--init-from", str(start),
+                       "--lr", "0"]) == 0   # lr 0: the export is the starting drafter itself
+    from whiflash_trt.train.target import load_target
+
+    target, _ = load_target(str(workspace / "target"), "fp32")
+    before, after = load_eagle3(start, target.config), load_eagle3(tmp_path / "e3" / "export", target.config)
+    assert torch.equal(before.d2t, after.d2t)
+    for name, value in before.state_dict().items():
+        assert torch.equal(after.state_dict()[name], value), name

@@ -126,13 +126,16 @@ def _eagle3(sub) -> None:
     p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test steps unrolled on own outputs")
     p.add_argument("--prompt-weight", type=float, default=0.2, help="loss weight of predictions inside the prompt")
     p.add_argument("--max-positions", type=int, default=768, help="longest window of a sequence per step")
+    p.add_argument("--init-from", type=Path, help="start from this EAGLE-3 checkpoint's weights and draft vocabulary "
+                                                  "(same shape; e.g. the shipped drafter, trained further)")
 
 
 def _run_eagle3(args) -> None:
     from whiflash_trt.train.eagle3_trainer import Eagle3Options, train_eagle3
 
     opts = Eagle3Options(draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps,
-                         prompt_weight=args.prompt_weight, max_positions=args.max_positions)
+                         prompt_weight=args.prompt_weight, max_positions=args.max_positions,
+                         init_from=str(args.init_from) if args.init_from else None)
     out = train_eagle3(args.data, args.output, _data_target(args), opts, _loop_options(args))
     print(f"EAGLE-3 drafter written to {out}")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from whiflash_trt.config import RopeConfig
-from whiflash_trt.models.drafter_checkpoints import save_eagle3
+from whiflash_trt.models.drafter_checkpoints import load_eagle3, save_eagle3
 from whiflash_trt.models.eagle3 import Eagle3Config, Eagle3Drafter
 from whiflash_trt.models.layers import apply_rope
 from whiflash_trt.models.target import TargetModel
@@ -35,6 +35,7 @@ class Eagle3Options:
     prompt_weight: float = 0.2              # loss weight of predictions that fall inside the prompt
     max_positions: int = 768
     init_from_target: bool = True
+    init_from: str | None = None            # an EAGLE-3 checkpoint to start from (its weights and draft vocabulary)
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
@@ -55,9 +56,30 @@ def make_drafter(target: TargetModel, vocab_ids: torch.Tensor, opts: Eagle3Optio
     drafter.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
     drafter.t2d.zero_()
     drafter.t2d[vocab_ids] = True
-    if opts.init_from_target:
+    if opts.init_from:
+        _init_from_checkpoint(drafter, Path(opts.init_from), target)
+    elif opts.init_from_target:
         _init_from_target(drafter, target, vocab_ids)
     return drafter
+
+
+def checkpoint_vocab(path: Path, target: TargetModel) -> torch.Tensor:
+    """The sorted target ids of a checkpoint's draft vocabulary."""
+    d2t = load_eagle3(path, target.config).d2t
+    return torch.arange(len(d2t)) + d2t
+
+
+@torch.no_grad()
+def _init_from_checkpoint(drafter: Eagle3Drafter, path: Path, target: TargetModel) -> None:
+    """Warm start from a trained drafter of the same shape and draft vocabulary (training it further)."""
+    source = load_eagle3(path, target.config)
+    mine, theirs = drafter.config, source.config
+    same = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "draft_vocab_size", "aux_layer_ids")
+    differ = [f"{k} {getattr(theirs, k)} != {getattr(mine, k)}" for k in same if getattr(mine, k) != getattr(theirs, k)]
+    if differ or not torch.equal(source.d2t, drafter.d2t):
+        raise ValueError(f"cannot start from {path}: its shape or draft vocabulary differs from this run's "
+                         f"({'; '.join(differ) or 'd2t'})")
+    drafter.load_state_dict(source.state_dict())
 
 
 @torch.no_grad()
@@ -188,7 +210,8 @@ def train_eagle3(data_folder: Path, run_dir: Path, target: TargetModel, opts: Ea
     data = TrainingData(data_folder, extra["num_shards_vocab"] if extra else None)
     if extra is None:
         counts = token_counts(data, target.config.vocab_size)
-        vocab_ids = choose_vocab(counts, opts.draft_vocab_size)
+        vocab_ids = (checkpoint_vocab(Path(opts.init_from), target) if opts.init_from
+                     else choose_vocab(counts, opts.draft_vocab_size))
         covered = float(counts[vocab_ids].sum()) / max(1, float(counts.sum()))
         extra = {"vocab_ids": vocab_ids.tolist(), "vocab_coverage": covered,
                  "num_shards_vocab": len(data.manifest["shards"])}
