@@ -403,3 +403,14 @@ def test_eagle3_training_can_start_from_a_trained_drafter(workspace, tmp_path):
     assert torch.equal(before.d2t, after.d2t)
     for name, value in before.state_dict().items():
         assert torch.equal(after.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+def test_bf16_autocast_training_learns(workspace, tmp_path, drafter):
+    common = ["--data", str(workspace / "data"), "--steps", str(STEPS), "--seqs-per-step", "2", "--lr", "3e-3",
+              "--warmup-steps", "2", "--no-progress", "--precision", "bf16", "--output", str(tmp_path / drafter)]
+    shape = ["--draft-vocab", "200"] if drafter == "eagle3" else ["--layers", "2", "--draft-block-len", "4",
+                                                                  "--anchors", "8"]
+    assert train_main([drafter, *common, *shape]) == 0
+    losses = [r["loss"] for r in read_log(tmp_path / drafter)]
+    assert len(losses) == STEPS and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses

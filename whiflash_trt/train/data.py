@@ -246,22 +246,23 @@ def generate_data(opts: DataOptions) -> Path:
 @dataclass
 class SequenceData:
     tokens: torch.Tensor      # [T] int64
-    features: torch.Tensor    # [T, C*H]
-    hidden: torch.Tensor      # [T, H]
+    features: torch.Tensor | None   # [T, C*H] (None: a TrainingData of the token level only)
+    hidden: torch.Tensor | None     # [T, H]
     prompt_len: int
     greedy: bool
 
 
 class TrainingData:
-    """All shards of a data folder listed in its manifest (optionally only the first `num_shards`)."""
+    """All shards of a data folder listed in its manifest (optionally only the first `num_shards`), in memory; with
+    `features` False only their token level (the vocabulary counts: a few MB where the features are GBs)."""
 
-    def __init__(self, folder: str | Path, num_shards: int | None = None) -> None:
+    def __init__(self, folder: str | Path, num_shards: int | None = None, features: bool = True) -> None:
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
         shards = self.manifest["shards"][:num_shards]
         if not shards:
             raise ValueError(f"{self.folder} holds no data shards yet (run whiflash-train data)")
-        self.shards = [load_shard(self.folder, s) for s in shards]
+        self.shards = [load_shard(self.folder, s, features) for s in shards]
         self.index = [(i, j) for i, s in enumerate(self.shards) for j in range(len(s["prompt_lens"]))]
         self.capture_layers = tuple(self.manifest["capture_layers"])
         self.hidden_size = int(self.manifest["hidden_size"])
@@ -276,8 +277,8 @@ class TrainingData:
         i, j = self.index[k]
         s = self.shards[i]
         a, b = int(s["seq_offsets"][j]), int(s["seq_offsets"][j + 1])
-        return SequenceData(s["tokens"][a:b].long(), s["features"][a:b], s["hidden"][a:b],
-                            int(s["prompt_lens"][j]), bool(s["greedy"][j]))
+        feats, hidden = (s["features"][a:b], s["hidden"][a:b]) if "features" in s else (None, None)
+        return SequenceData(s["tokens"][a:b].long(), feats, hidden, int(s["prompt_lens"][j]), bool(s["greedy"][j]))
 
     def feature_columns(self, layers: tuple[int, ...]) -> torch.Tensor:
         return feature_columns(layers, self.capture_layers, self.hidden_size)

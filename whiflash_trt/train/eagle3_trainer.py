@@ -207,7 +207,7 @@ def train_eagle3(data_folder: Path, run_dir: Path, target: TargetModel, opts: Ea
     """Train (or resume) an EAGLE-3 drafter; returns the exported checkpoint folder (public format)."""
     run_dir = Path(run_dir)
     extra = peek_extra(run_dir)
-    data = TrainingData(data_folder, extra["num_shards_vocab"] if extra else None)
+    data = TrainingData(data_folder, extra["num_shards_vocab"] if extra else None, features=False)
     if extra is None:
         counts = token_counts(data, target.config.vocab_size)
         vocab_ids = (checkpoint_vocab(Path(opts.init_from), target) if opts.init_from
