@@ -1,8 +1,8 @@
 """A data folder's token level, kept; its features recomputed from it.
 
-The features of a data folder (~3.5 KB per token for SmolLM2) are large and take minutes to recompute; its tokens
-(the target's own responses, 4 bytes per token and few bytes once compressed) took hours of decoding. So the token
-level is what is kept: `whiflash-train keep` copies it (the manifest, the prompt splits and the tokens-*.safetensors
+The features of a data folder (~3.5 KB per token for SmolLM2) are large, and recomputing them takes one forward per
+sequence; its tokens (the target's own responses, 4 bytes per token, less once compressed) took one forward per
+token: hours of decoding. So the token level is what is kept: `whiflash-train keep` copies it (the manifest, the prompt splits and the tokens-*.safetensors
 of a folder and of its router/ split) to a small folder that can be committed (data/smollm2-135m/ here), and
 `whiflash-train features` recomputes the features a folder lacks, after copying a kept token level into it
 (--tokens-from). A kept folder can also be grown again by `whiflash-train data`.
@@ -84,7 +84,7 @@ def recompute_features(root: Path, target: str | None = None, batch_tokens: int 
     model, _ = load_engine_target(target or manifest["target"], manifest["dtype"])
     longest = max(int(o.diff().max()) for f, e in todo
                   for o in [load_shard(f, e, features=False)["seq_offsets"]])
-    lanes = 16
+    lanes = 16   # sequences per forward at most (and --batch-tokens tokens)
     gen = BatchedGenerator(model, tuple(manifest["capture_layers"]), lanes, longest, eos_ids=())
     for folder, entry in tqdm(todo, desc="feature shards", unit="shard"):
         if read_manifest(folder)["capture_layers"] != manifest["capture_layers"]:
