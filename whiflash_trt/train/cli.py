@@ -197,10 +197,10 @@ def _run_router(args) -> None:
     from whiflash_trt.train.router_trainer import (load_states, measure_states, round_costs, save_states,
                                                    train_router)
     from whiflash_trt.runtime.tokenizer_policy import chat_ids
-    from whiflash_trt.train.target import load_target
+    from whiflash_trt.train.target import load_engine_target
 
     manifest = read_manifest(args.data)
-    target, tokenizer = load_target(args.target or manifest["target"], manifest["dtype"])
+    target, tokenizer = load_engine_target(args.target or manifest["target"], manifest["dtype"])
     engine = make_engine(target, tokenizer, args.eagle3, args.dflash)
     spec = SpecConfig(mode=WHIFLASH)
     val = read_prompts(args.data / "prompts.val.jsonl")
@@ -255,10 +255,10 @@ def _run_eval(args) -> None:
     from whiflash_trt.config import EAGLE3, MODE_DRAFTERS, TreeConfig
     from whiflash_trt.train.data import read_manifest, read_prompts
     from whiflash_trt.train.evaluate import default_specs, evaluate, make_engine
-    from whiflash_trt.train.target import load_target
+    from whiflash_trt.train.target import load_engine_target
 
     manifest = read_manifest(args.data)
-    target, tokenizer = load_target(args.target or manifest["target"], manifest["dtype"])
+    target, tokenizer = load_engine_target(args.target or manifest["target"], manifest["dtype"])
     engine = make_engine(target, tokenizer, args.eagle3, args.dflash, args.router)
     tree = TreeConfig()
     if args.tree:
