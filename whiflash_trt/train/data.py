@@ -99,9 +99,6 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     tmp.rename(folder / MANIFEST)
 
 
-TOKEN_KEYS = ("tokens", "seq_offsets", "prompt_lens", "prompt_index", "greedy")
-
-
 def shard_names(index: int) -> dict[str, str]:
     return {"tokens": f"tokens-{index:05d}.safetensors", "features": f"features-{index:05d}.safetensors"}
 
