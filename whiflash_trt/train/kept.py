@@ -81,25 +81,23 @@ def recompute_features(root: Path, target: str | None = None, batch_tokens: int 
     if not todo:
         return 0
     manifest = read_manifest(folders[0])
-    model, _ = load_engine_target(target or manifest["target"], manifest["dtype"])
-    longest = max(int(o.diff().max()) for f, e in todo
-                  for o in [load_shard(f, e, features=False)["seq_offsets"]])
-    lanes = 16   # sequences per forward at most (and --batch-tokens tokens)
-    gen = BatchedGenerator(model, tuple(manifest["capture_layers"]), lanes, longest, eos_ids=())
-    for folder, entry in tqdm(todo, desc="feature shards", unit="shard"):
+    for folder in dict.fromkeys(f for f, _ in todo):
         if read_manifest(folder)["capture_layers"] != manifest["capture_layers"]:
             raise ValueError(f"{folder} captures other layers than {folders[0]}")
-        shard = load_shard(folder, entry, features=False)
+    shards = [(f, e, load_shard(f, e, features=False)) for f, e in todo]   # the token level: a few MB
+    longest = max(int(shard["seq_offsets"].diff().max()) for _, _, shard in shards)
+    model, _ = load_engine_target(target or manifest["target"], manifest["dtype"])
+    lanes = 16   # sequences per forward at most (and --batch-tokens tokens)
+    gen = BatchedGenerator(model, tuple(manifest["capture_layers"]), lanes, longest, eos_ids=())
+    for folder, entry, shard in tqdm(shards, desc="feature shards", unit="shard"):
         offsets = shard["seq_offsets"].tolist()
-        seqs = [shard["tokens"][a:b].tolist() for a, b in zip(offsets, offsets[1:])]
-        feats, hidden, group = [], [], []
-        for k, ids in enumerate(seqs):
-            group.append(ids)
-            if k + 1 == len(seqs) or len(group) == lanes or sum(map(len, group)) + len(seqs[k + 1]) > batch_tokens:
-                for f, h in gen.features_of(group):
-                    feats.append(f)
-                    hidden.append(h)
+        outs, group = [], []
+        for ids in (shard["tokens"][a:b].tolist() for a, b in zip(offsets, offsets[1:])):
+            if group and (len(group) == lanes or sum(map(len, group)) + len(ids) > batch_tokens):
+                outs += gen.features_of(group)
                 group = []
-        save_atomic({"features": torch.cat(feats).contiguous(), "hidden": torch.cat(hidden).contiguous()},
-                    folder / entry["features"])
+            group.append(ids)
+        outs += gen.features_of(group)
+        save_atomic({"features": torch.cat([f for f, _ in outs]).contiguous(),
+                     "hidden": torch.cat([h for _, h in outs]).contiguous()}, folder / entry["features"])
     return len(todo)
