@@ -217,6 +217,16 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
     with pytest.raises(SystemExit, match="TOP_K,DEPTH,TOTAL_TOKENS"):
         train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
                     "--tree", "4,5"])
+    df_chain = workspace / "eval-df-chain.json"
+    assert train_main(["eval", "--data", str(workspace / "data"), "--dflash", str(workspace / "df" / "export"),
+                       "--per-category", "1", "--max-new-tokens", "16", "--dflash-tree-total-tokens", "3",
+                       "--dflash-tree-top-k", "1", "--output", str(df_chain)]) == 0
+    report = json.loads(df_chain.read_text())
+    assert report["dflash_tree"] == {"total_tokens": 3, "top_k": 1} and report["lossless"] is True
+    assert "tree" not in report and report["dflash"]["mix"]["rounds"] > 0
+    with pytest.raises(SystemExit, match="total_tokens must be >= 2"):
+        train_main(["eval", "--data", str(workspace / "data"), "--dflash", str(workspace / "df" / "export"),
+                    "--dflash-tree-total-tokens", "1"])
 
 
 def test_generator_drain_keeps_in_flight_sequences_consistent(workspace):

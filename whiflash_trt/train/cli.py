@@ -239,6 +239,10 @@ def _eval(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt and mode")
     p.add_argument("--modes", default=None, help="comma-separated: ar,eagle3,dflash,whiflash-entropy,whiflash-neural")
     p.add_argument("--tree", default=None, help="EAGLE-3 tree as TOP_K,DEPTH,TOTAL_TOKENS (default: the runtime's)")
+    p.add_argument("--dflash-tree-total-tokens", type=int, default=None,
+                   help="DFlash tree (DDTree): nodes verified per round, root included (default: the runtime's)")
+    p.add_argument("--dflash-tree-top-k", type=int, default=None,
+                   help="DFlash tree: children per node at most, 1 = the block's chain (default: no limit)")
     p.add_argument("--neural-threshold", type=float, default=None,
                    help="whiflash-neural threshold (default: the one calibrated in the router file)")
     p.add_argument("--output", type=Path, help="JSON report")
@@ -252,7 +256,7 @@ def _run_eval(args) -> None:
 
     from tqdm import tqdm
 
-    from whiflash_trt.config import EAGLE3, MODE_DRAFTERS, TreeConfig
+    from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, DFlashTreeConfig, TreeConfig
     from whiflash_trt.train.data import read_manifest, read_prompts
     from whiflash_trt.train.evaluate import default_specs, evaluate, make_engine
     from whiflash_trt.train.target import load_engine_target
@@ -269,8 +273,12 @@ def _run_eval(args) -> None:
         if len(values) != 3:
             raise SystemExit(f"--tree wants TOP_K,DEPTH,TOTAL_TOKENS (three integers), got {args.tree!r}")
         tree = TreeConfig(*values)
+    try:
+        dflash_tree = DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     specs = default_specs(args.eagle3 is not None, args.dflash is not None, args.router is not None, tree,
-                          args.neural_threshold)
+                          args.neural_threshold, dflash_tree)
     if args.modes:
         specs = {k: v for k, v in specs.items() if k in args.modes.split(",")}
     from whiflash_trt.runtime.tokenizer_policy import chat_ids
@@ -288,6 +296,8 @@ def _run_eval(args) -> None:
         report["neural_threshold"] = args.neural_threshold if args.neural_threshold is not None else "router file"
     if any(EAGLE3 in MODE_DRAFTERS[spec.mode] for spec in specs.values()):
         report["tree"] = asdict(tree)
+    if any(DFLASH in MODE_DRAFTERS[spec.mode] for spec in specs.values()):
+        report["dflash_tree"] = asdict(dflash_tree)
     for folder in (args.eagle3, args.dflash):   # snapshots carry their training progress (learning curves)
         if folder is not None and (folder / "progress.json").is_file():
             report["progress"] = json.loads((folder / "progress.json").read_text())

@@ -10,7 +10,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from whiflash_trt.config import AR, DFLASH, EAGLE3, WHIFLASH, CacheConfig, GenerationConfig, SpecConfig, TreeConfig
+from whiflash_trt.config import (AR, DFLASH, EAGLE3, WHIFLASH, CacheConfig, DFlashTreeConfig, GenerationConfig, SpecConfig,
+                                 TreeConfig)
 from whiflash_trt.models.target import TargetModel
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.loading import checkpoint_parts
@@ -70,17 +71,18 @@ def evaluate(engine: Engine, prompts: list[PromptRecord], specs: dict[str, SpecC
 
 
 def default_specs(has_eagle3: bool, has_dflash: bool, has_router: bool, tree: TreeConfig = TreeConfig(),
-                  neural_threshold: float | None = None) -> dict[str, SpecConfig]:
-    """One SpecConfig per mode the given parts allow; `tree` shapes EAGLE-3's drafts; `neural_threshold` overrides
-    the router file's calibrated one."""
+                  neural_threshold: float | None = None, dflash_tree: DFlashTreeConfig = DFlashTreeConfig()
+                  ) -> dict[str, SpecConfig]:
+    """One SpecConfig per mode the given parts allow; `tree` shapes EAGLE-3's drafts and `dflash_tree` DFlash's;
+    `neural_threshold` overrides the router file's calibrated one."""
     specs = {AR: SpecConfig(mode=AR)}
     if has_eagle3:
         specs[EAGLE3] = SpecConfig(mode=EAGLE3, tree=tree)
     if has_dflash:
-        specs[DFLASH] = SpecConfig(mode=DFLASH)
+        specs[DFLASH] = SpecConfig(mode=DFLASH, dflash_tree=dflash_tree)
     if has_eagle3 and has_dflash:
-        specs["whiflash-entropy"] = SpecConfig(mode=WHIFLASH, router="entropy", tree=tree)
+        specs["whiflash-entropy"] = SpecConfig(mode=WHIFLASH, router="entropy", tree=tree, dflash_tree=dflash_tree)
         if has_router:
             specs["whiflash-neural"] = SpecConfig(mode=WHIFLASH, router="neural", threshold=neural_threshold,
-                                                  tree=tree)
+                                                  tree=tree, dflash_tree=dflash_tree)
     return specs
