@@ -10,8 +10,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from whiflash_trt.config import (AR, DFLASH, EAGLE3, WHIFLASH, CacheConfig, DFlashTreeConfig, GenerationConfig, SpecConfig,
-                                 TreeConfig)
+from whiflash_trt.config import (AR, DFLASH, EAGLE3, WHIFLASH, CacheConfig, DFlashTreeConfig, GenerationConfig,
+                                 SpecConfig, TreeConfig)
 from whiflash_trt.models.target import TargetModel
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.loading import checkpoint_parts
