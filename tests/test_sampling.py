@@ -144,6 +144,39 @@ def test_stop_string_across_two_tokens_and_the_earliest_of_several(engine, promp
     assert result.text == full[:cut]
 
 
+def test_stop_check_decodes_a_window_and_finds_what_a_full_decode_finds(engine, greedy):
+    from whiflash_trt.runtime.stopping import StopChecker
+
+    output = greedy.token_ids * 11 + greedy.token_ids[::-1]   # a long output whose end differs from its start
+    full, head = engine.decode(output), len(engine.decode(output[:-len(greedy.token_ids)]))
+    late = next(full[i:i + 6] for i in range(head, len(full) - 6) if full.find(full[i:i + 6]) == i)
+    stops = (late, "\x00never")                       # `late` first occurs in the last part
+    reach = 4 * max(map(len, stops)) + 8
+    seen: list[int] = []
+
+    def decode(ids):
+        seen.append(len(ids))
+        return engine.decode(ids)
+
+    def reference(out, first_new):                    # the earliest new token whose full prefix holds a stop
+        return next((i + 1 for i in range(first_new, len(out)) if any(s in engine.decode(out[:i + 1]) for s in stops)),
+                    None)
+
+    gen = GenerationConfig(max_new_tokens=len(output) + 1, ignore_eos=True, stop_strings=stops)
+    checker = StopChecker(gen, (), decode, len(output) + 1)
+    n, found = 0, None
+    while n < len(output) and found is None:
+        step = 1 + n % 3                               # rounds of 1-3 tokens
+        expected = reference(output[:n + step], n)
+        seen.clear()
+        decision = checker.check(output[:n + step], step)
+        assert (decision.keep if decision.reason == "stop" else None) == expected
+        if expected is None:                           # no stop: one decode of a window, not of the output
+            assert seen == [min(n + step, reach + step)]
+        found, n = expected, n + step
+    assert found is not None and found > len(output) - len(greedy.token_ids) and late in engine.decode(output[:found])
+
+
 def test_eos_ends_generation(engine, tiny_engine, prompt_ids, greedy):
     tokens = greedy.token_ids
     # the same weights with a config whose EOS is the greedy output's 6th token (first occurrence)

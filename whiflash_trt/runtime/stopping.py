@@ -27,13 +27,22 @@ class StopChecker:
                 return self._limit(i + 1, "eos")
             if output[i] in self.gen.stop_token_ids:
                 return self._limit(i + 1, "stop")
-        if self.gen.stop_strings:
+        if self.gen.stop_strings and self._may_complete_stop(output, first_new):
             # The earliest token whose arrival completes a stop string (tokens may hold several characters).
             for i in range(first_new, len(output)):
                 text = self.decode(output[: i + 1])
                 if any(s in text for s in self.gen.stop_strings):
                     return self._limit(i + 1, "stop")
         return self._limit(len(output), None)
+
+    def _may_complete_stop(self, output: list[int], first_new: int) -> bool:
+        """Whether a stop string can end in the new tokens' text, from the text of a window that ends with them, so a
+        round costs one decode of a few tokens, not one of the whole output per new token. A stop string of L
+        characters ending there began at most 4L tokens before them (a byte-level token holds at least a quarter of
+        a character); 8 more absorb how a window's first tokens decode (a cut character, a dropped leading space)."""
+        reach = 4 * max(len(s) for s in self.gen.stop_strings) + 8
+        text = self.decode(output[max(0, first_new - reach):])
+        return any(s in text for s in self.gen.stop_strings)
 
     def _limit(self, keep: int, reason: str | None) -> StopDecision:
         if keep >= self.gen.max_new_tokens and (reason is None or keep > self.gen.max_new_tokens):
