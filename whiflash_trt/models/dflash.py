@@ -121,7 +121,8 @@ def block_keys(reads: list[torch.Tensor], writes: list[torch.Tensor]) -> RowKeys
     for r, w in zip(reads, writes):
         keys, rows = torch.cat([r, w]), w.numel()
         every = torch.arange(keys.numel(), device=keys.device).expand(rows, -1)   # each row reads all its keys
-        segments.append(Segment(keys, torch.ones(rows, keys.numel(), dtype=torch.bool, device=keys.device), every))
+        visible = torch.ones((), dtype=torch.bool, device=keys.device).expand(rows, keys.numel())   # a view
+        segments.append(Segment(keys, visible, every))
     return row_keys(segments)
 
 
