@@ -348,12 +348,39 @@ def test_dflash_training_can_start_from_a_trained_drafter(workspace, tmp_path):
     for name, value in trained.state_dict().items():
         if name not in ("d2t", "t2d"):
             assert torch.equal(drafter.state_dict()[name], value.float()), name
-    with pytest.raises(ValueError, match="num_layers 2 != 3"):
-        make_drafter(target, trained.config.target_layer_ids, dataclasses.replace(opts, num_layers=3))
+    with pytest.raises(ValueError, match="num_layers 2 > 1"):
+        make_drafter(target, trained.config.target_layer_ids, dataclasses.replace(opts, num_layers=1))
     common = ["--data", str(workspace / "data"), "--steps", "2", "--seqs-per-step", "2", "--no-progress"]
     assert train_main(["dflash", *common, "--output", str(tmp_path / "df2"), "--layers", "2",
                        "--draft-block-len", "4", "--anchors", "8", "--init-from", str(workspace / "df" / "export")]) == 0
     assert (tmp_path / "df2" / "export" / "model.safetensors").is_file()
+
+
+@torch.inference_mode()
+def test_a_grown_dflash_drafts_what_its_checkpoint_did(workspace):
+    """--init-from a 2-layer checkpoint into a 3-layer run: the new layer starts as an identity, so the grown drafter's
+    block hidden states equal the checkpoint's before training moves them."""
+    from whiflash_trt.train.dflash_trainer import DFlashOptions, make_drafter
+    from whiflash_trt.train.target import load_target
+
+    target, _ = load_target(str(workspace / "target"), "fp32")
+    trained = load_dflash(workspace / "df" / "export", target.config).float()
+    opts = DFlashOptions(num_layers=3, draft_block_len=4, init_from=str(workspace / "df" / "export"))
+    grown = make_drafter(target, trained.config.target_layer_ids, opts)
+    assert grown.config.num_layers == 3 and not torch.equal(grown.layers[2].self_attn.q_proj.weight,
+                                                            torch.zeros_like(grown.layers[2].self_attn.q_proj.weight))
+    g = torch.Generator().manual_seed(0)
+    n, b, h = 7, trained.config.draft_block_len, target.config.hidden_size
+    feats = torch.randn(n, grown.fc.in_features, generator=g)
+    block = torch.randn(b, h, generator=g)
+    outs = []
+    for drafter in (trained, grown):
+        c = drafter.config
+        k_pool = torch.zeros(c.num_layers, n, c.num_kv_heads, c.head_dim)
+        v_pool = torch.zeros_like(k_pool)
+        drafter.write_kv_only(feats, torch.arange(n), k_pool, v_pool, torch.arange(n))
+        outs.append(drafter(block, torch.arange(n, n + b), k_pool, v_pool, torch.arange(n)))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_a_folder_written_before_the_token_level_split_still_reads(workspace, tmp_path):

@@ -155,8 +155,9 @@ def _dflash(sub) -> None:
     p.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of blocks inside the prompt")
     p.add_argument("--soft-labels", action="store_true",
                    help="cross-entropy to the target's distribution (over the loss vocabulary), not its greedy token")
-    p.add_argument("--init-from", type=Path, help="start from this DFlash checkpoint's weights (same shape; e.g. the "
-                                                  "shipped drafter, trained further on new data)")
+    p.add_argument("--init-from", type=Path, help="start from this DFlash checkpoint's weights (e.g. the shipped "
+                                                  "drafter, trained further on new data); one with fewer layers "
+                                                  "than --layers grows: new layers start as identities")
 
 
 def _run_dflash(args) -> None:

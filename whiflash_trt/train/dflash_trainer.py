@@ -36,7 +36,7 @@ class DFlashOptions:
     target_layer_ids: tuple[int, ...] | None = None   # None: the data's captured layers
     mask_token_id: int | None = None    # None: the target's vocab size (a row the target does not have)
     init_from_target: bool = True
-    init_from: str | None = None        # a DFlash checkpoint to start from (its weights; same shape) instead
+    init_from: str | None = None        # a DFlash checkpoint to start from instead (same shape, or fewer layers)
     loss_vocab_size: int = 16384       # cross-entropy over the most frequent tokens only (CPU cost); 0 = all
     prompt_weight: float = 0.3         # loss weight of blocks anchored inside the prompt (teacher-forced labels)
     soft_labels: bool = False          # CE to the target's distribution (over the loss vocabulary) instead of its
@@ -70,17 +70,28 @@ def make_drafter(target: TargetModel, layer_ids: tuple[int, ...], opts: DFlashOp
 
 @torch.no_grad()
 def _init_from_checkpoint(drafter: DFlashDrafter, path: Path, target: TargetModel) -> None:
-    """Warm start from a trained drafter of the same shape (training it further on new data); its draft vocabulary
-    is not kept: the run's own loss vocabulary is exported."""
+    """Warm start from a trained drafter (training it further on new data); its draft vocabulary is not kept: the
+    run's own loss vocabulary is exported. A checkpoint with fewer layers grows: its layers come first, and each new
+    layer after them starts from the target layer _init_from_target would give it with its output projections
+    (o_proj, down_proj) zero, so it adds nothing to the residual stream and the grown drafter drafts exactly what the
+    checkpoint did until training moves it."""
     source = load_dflash(path, target.config)
     mine, theirs = drafter.config, source.config
-    same = ("num_layers", "draft_block_len", "target_layer_ids", "mask_token_id", "hidden_size", "intermediate_size")
+    same = ("draft_block_len", "target_layer_ids", "mask_token_id", "hidden_size", "intermediate_size")
     differ = [f"{k} {getattr(theirs, k)} != {getattr(mine, k)}" for k in same if getattr(mine, k) != getattr(theirs, k)]
+    if theirs.num_layers > mine.num_layers:
+        differ.append(f"num_layers {theirs.num_layers} > {mine.num_layers}")
     if differ:
         raise ValueError(f"cannot start from {path}: its shape differs from this run's ({'; '.join(differ)})")
+    grown = range(theirs.num_layers, mine.num_layers)
+    _init_from_target(drafter, target)   # what the checkpoint does not hold: the grown layers
+    for i in grown:
+        drafter.layers[i].self_attn.o_proj.weight.zero_()
+        drafter.layers[i].mlp.down_proj.weight.zero_()
     state = {k: v for k, v in source.state_dict().items() if k not in ("d2t", "t2d")}
     drafter.load_state_dict(state, strict=False)
-    missing = set(drafter.state_dict()) - set(state) - {"d2t", "t2d"}
+    new = {k for k in drafter.state_dict() if any(k.startswith(f"layers.{i}.") for i in grown)}
+    missing = set(drafter.state_dict()) - set(state) - {"d2t", "t2d"} - new
     if missing:
         raise ValueError(f"{path} lacks {sorted(missing)}")
 
