@@ -231,9 +231,10 @@ def pools_and_queries(dtype, rows: int, heads: int = 6, kv_heads: int = 2, dim: 
     return q, k, v, k_pool, v_pool
 
 
+@pytest.mark.parametrize("dim", [40, 64], ids=["dim40", "dim64"])   # 64: bf16 values weighed in pairs of keys
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_paged_attention_matches_softmax_attention(dtype):
-    rows, heads, kv_heads, dim = 5, 6, 2, 40
+def test_paged_attention_matches_softmax_attention(dtype, dim):
+    rows, heads, kv_heads = 5, 6, 2
     q, k, v, k_pool, v_pool = pools_and_queries(dtype, rows, heads, kv_heads, dim)
     write = torch.tensor([290, 3, 150, 7, 299])
     row_slots = torch.randperm(280)[:100].repeat(rows, 1)
@@ -254,9 +255,10 @@ def test_paged_attention_matches_softmax_attention(dtype):
         assert torch.allclose(out[t].double(), want, rtol=tol, atol=tol), f"row {t}"
 
 
+@pytest.mark.parametrize("dim", [40, 64], ids=["dim40", "dim64"])
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_paged_attention_rows_do_not_depend_on_the_call(num_threads):
-    q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=9)
+def test_paged_attention_rows_do_not_depend_on_the_call(num_threads, dim):
+    q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=9, dim=dim)
     write = torch.arange(250, 259)
     row_slots = torch.cat([torch.arange(200), write]).repeat(9, 1)
     row_len = torch.arange(201, 210)   # a 9-token chain over 200 context keys

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -33,6 +34,15 @@ using whiflash::store16;
 
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxDim = 256;
+
+// bf16 heads of an even number of 16-lane vectors weigh their values in pairs of keys (weigh_pairs)
+template <typename T, int Vecs>
+constexpr bool kPairs = std::is_same_v<T, at::BFloat16> && Vecs % 2 == 0;
+
+// x rounded to the nearest bf16 (ties to even), back in fp32
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
 
 // sum_j p[h][j] v_j for G heads (accumulators in registers), keys in order, p already exp'd; -> acc_out[G][Vecs*16]
 template <typename T, int Vecs, int G>
@@ -52,6 +62,52 @@ void weigh_values(const float* p, int64_t ld, const T* v_pool, int64_t slot_stri
   }
   for (int h = 0; h < G; ++h)
     for (int i = 0; i < Vecs; ++i) _mm512_store_ps(acc_out + (h * Vecs + i) * 16, acc[h][i]);
+}
+
+// weigh_values for bf16 values of head_dim Vecs * 16 (Vecs even) and weights p already rounded to bf16: keys two
+// at a time, one VDPBF16PS per 16 dims adds p_j v_j[d] + p_{j+1} v_{j+1}[d] to lane d (the pair's products exact in
+// fp32), half the multiply-adds of the fp32 loop and no widening. The pair (v_j, v_{j+1}) is interleaved by
+// unpacklo/hi_epi16, which put dims 8L+0..3 (lo) and 8L+4..7 (hi) of each 128-bit quarter L in its dwords 4L..4L+3;
+// the accumulators go back to dim order at the end. An odd last key pairs with zero.
+template <int Vecs, int G>
+void weigh_pairs(const float* p, int64_t ld, const at::BFloat16* v_pool, int64_t slot_stride, const int64_t* slots,
+                 int64_t keys, float* acc_out) {
+  static_assert(Vecs % 2 == 0, "pairs of 32 bf16 per register");
+  __m512 acc[G][Vecs];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < Vecs; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < keys; j += 2) {
+    const bool two = j + 1 < keys;
+    const at::BFloat16* a = v_pool + slots[j] * slot_stride;
+    const at::BFloat16* b = two ? v_pool + slots[j + 1] * slot_stride : nullptr;
+    __m512i pair[Vecs];
+    for (int r = 0; r < Vecs / 2; ++r) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * r);
+      const __m512i vb = two ? _mm512_loadu_si512(b + 32 * r) : _mm512_setzero_si512();
+      pair[2 * r] = _mm512_unpacklo_epi16(va, vb);
+      pair[2 * r + 1] = _mm512_unpackhi_epi16(va, vb);
+    }
+    for (int h = 0; h < G; ++h) {
+      uint32_t w0, w1 = 0;   // bf16 bits of p_j (low half) and p_{j+1} (high half): the top halves of their fp32
+      std::memcpy(&w0, p + h * ld + j, sizeof(float));
+      if (two) std::memcpy(&w1, p + h * ld + j + 1, sizeof(float));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>((w0 >> 16) | (w1 & 0xFFFF0000u)));
+      for (int i = 0; i < Vecs; ++i) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], (__m512bh)pair[i], w);
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    float* out = acc_out + h * Vecs * 16;
+    for (int r = 0; r < Vecs / 2; ++r) {
+      alignas(64) float lo[16], hi[16];
+      _mm512_store_ps(lo, acc[h][2 * r]);
+      _mm512_store_ps(hi, acc[h][2 * r + 1]);
+      for (int q = 0; q < 4; ++q)
+        for (int i = 0; i < 4; ++i) {
+          out[32 * r + 8 * q + i] = lo[4 * q + i];
+          out[32 * r + 8 * q + 4 + i] = hi[4 * q + i];
+        }
+    }
+  }
 }
 
 // A head's query, ready for q.k against keys of type T: bf16 keeps its pairs (one VDPBF16PS per 32 elements: each
@@ -137,6 +193,7 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
                   const int64_t* slots, int64_t keys, int64_t dim, float scale, float* scores, int64_t ld, T* out) {
   alignas(64) float acc[kMaxGroup][Vecs * 16];
   float top[kMaxGroup], total[kMaxGroup];
+  const bool paired = kPairs<T, Vecs> && dim == Vecs * 16;   // bf16 values, p rounded to bf16 (weigh_pairs)
   for (int64_t h = 0; h < group; ++h) {
     const Query<T, Vecs> qh(q + h * dim, dim);
     __m512 best = _mm512_set1_ps(-INFINITY);
@@ -160,6 +217,7 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
     for (int64_t j = 0; j < keys; j += 16) {
       __mmask16 m = lanes(keys - j);
       __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + j), shift)));
+      if (paired) p = round_bf16(p);
       _mm512_mask_storeu_ps(sh + j, m, p);
       sums = _mm512_add_ps(sums, p);
     }
@@ -169,6 +227,17 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
   for (int64_t h0 = 0; h0 < group; h0 += 4) {
     const float* p = scores + h0 * ld;
     float* a = acc[h0];
+    if constexpr (kPairs<T, Vecs>) {
+      if (paired) {
+        switch (std::min<int64_t>(4, group - h0)) {
+          case 1: weigh_pairs<Vecs, 1>(p, ld, v_pool, slot_stride, slots, keys, a); break;
+          case 2: weigh_pairs<Vecs, 2>(p, ld, v_pool, slot_stride, slots, keys, a); break;
+          case 3: weigh_pairs<Vecs, 3>(p, ld, v_pool, slot_stride, slots, keys, a); break;
+          default: weigh_pairs<Vecs, 4>(p, ld, v_pool, slot_stride, slots, keys, a); break;
+        }
+        continue;
+      }
+    }
     switch (std::min<int64_t>(4, group - h0)) {
       case 1: weigh_values<T, Vecs, 1>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
       case 2: weigh_values<T, Vecs, 2>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
