@@ -113,6 +113,16 @@ void weigh_pairs(const float* p, int64_t ld, const at::BFloat16* v_pool, int64_t
   }
 }
 
+// G heads' values: in pairs of keys where `paired` (kPairs and head_dim Vecs * 16), else one key at a time
+template <typename T, int Vecs, int G>
+void weigh(bool paired, const float* p, int64_t ld, const T* v_pool, int64_t slot_stride, const int64_t* slots,
+           int64_t keys, int64_t dim, float* acc_out) {
+  if constexpr (kPairs<T, Vecs>) {
+    if (paired) return weigh_pairs<Vecs, G>(p, ld, v_pool, slot_stride, slots, keys, acc_out);
+  }
+  weigh_values<T, Vecs, G>(p, ld, v_pool, slot_stride, slots, keys, dim, acc_out);
+}
+
 // A head's query, ready for q.k against keys of type T: bf16 keeps its pairs (one VDPBF16PS per 32 elements: each
 // product exact in fp32, a pair's two added into its lane as the hardware does), fp32 its 16-lane vectors (FMAs).
 // dot() gives 16 fp32 lanes whose sum is q.k; how a key's elements fall into lanes depends on head_dim alone.
@@ -230,22 +240,11 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
   for (int64_t h0 = 0; h0 < group; h0 += 4) {
     const float* p = scores + h0 * ld;
     float* a = acc[h0];
-    if constexpr (kPairs<T, Vecs>) {
-      if (paired) {
-        switch (std::min<int64_t>(4, group - h0)) {
-          case 1: weigh_pairs<Vecs, 1>(p, ld, v_pool, slot_stride, slots, keys, a); break;
-          case 2: weigh_pairs<Vecs, 2>(p, ld, v_pool, slot_stride, slots, keys, a); break;
-          case 3: weigh_pairs<Vecs, 3>(p, ld, v_pool, slot_stride, slots, keys, a); break;
-          default: weigh_pairs<Vecs, 4>(p, ld, v_pool, slot_stride, slots, keys, a); break;
-        }
-        continue;
-      }
-    }
     switch (std::min<int64_t>(4, group - h0)) {
-      case 1: weigh_values<T, Vecs, 1>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
-      case 2: weigh_values<T, Vecs, 2>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
-      case 3: weigh_values<T, Vecs, 3>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
-      default: weigh_values<T, Vecs, 4>(p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
+      case 1: weigh<T, Vecs, 1>(paired, p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
+      case 2: weigh<T, Vecs, 2>(paired, p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
+      case 3: weigh<T, Vecs, 3>(paired, p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
+      default: weigh<T, Vecs, 4>(paired, p, ld, v_pool, slot_stride, slots, keys, dim, a); break;
     }
   }
   for (int64_t h = 0; h < group; ++h) {
