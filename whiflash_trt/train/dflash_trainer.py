@@ -84,7 +84,8 @@ def _init_from_checkpoint(drafter: DFlashDrafter, path: Path, target: TargetMode
     if differ:
         raise ValueError(f"cannot start from {path}: its shape differs from this run's ({'; '.join(differ)})")
     grown = range(theirs.num_layers, mine.num_layers)
-    _init_from_target(drafter, target)   # what the checkpoint does not hold: the grown layers
+    if grown:
+        _init_from_target(drafter, target)   # what the checkpoint does not hold: the grown layers
     for i in grown:
         drafter.layers[i].self_attn.o_proj.weight.zero_()
         drafter.layers[i].mlp.down_proj.weight.zero_()
