@@ -205,13 +205,14 @@ class TreeConfig:
     """Shape of EAGLE-3's dynamic draft tree."""
     # Measured on the compiled CPU engine, where a verify's GEMMs are compute-bound past a few rows (a 16-node verify
     # costs ~2.4x a decode step): 6 nodes beat 16 and 8 in every benchmark category (whiflash-bench
-    # --tree-total-tokens 4/6/8/16, 2 prompts per category), and top-k 3 beat 4 (3 prompts per category). Depth: 3
-    # draft steps beat 4 once the verify and the draft steps got cheaper (AMD EPYC, 2 threads, 96 tokens, interleaved
-    # in one process): on held-out prompts (scripts/compare_tree_shapes.py --eagle3 3,4,6 3,3,6 3,2,6, 5 per
-    # category) speed-up over `ar` 1.308 against 1.279 (tau 2.057 against 2.082; depth 2: 1.304, tau 1.963); on the
-    # bench's own prompts 1.349 against 1.291 and 1.320 against 1.282 (depth 2: 1.328, 1.335).
+    # --tree-total-tokens 4/6/8/16, 2 prompts per category), and top-k 3 beat 4 (3 prompts per category). Depth,
+    # speed-up over `ar` with scripts/compare_tree_shapes.py (--eagle3 3,3,6 3,2,6 --num-prompts 5 --threads 2: 20
+    # held-out prompts, 96 tokens, interleaved in one process; AMD EPYC Zen 4): 2 draft steps 1.304 against 1.308
+    # for 3 on one day (on the bench's own prompts 1.328 and 1.335 against 1.349 and 1.320), then 1.474 against
+    # 1.367 and 1.339 against 1.343 on a later one (the shared machine slower: `ar` 17.5 and 14.9 ms per round).
+    # A third step adds tau (2.147 against 2.028) that its own cost takes back, so the cheaper round is the default.
     top_k: int = 3            # children per expanded node (1 = a chain)
-    depth: int = 3            # draft steps per round
+    depth: int = 2            # draft steps per round
     total_tokens: int = 6     # nodes verified per round, root (bonus) included
 
     def __post_init__(self) -> None:
@@ -229,8 +230,10 @@ class DFlashTreeConfig:
     # --max-new-tokens 64 --dflash-tree-total-tokens N, 2 threads): its GEMM takes up to 6 rows per pass over the
     # weights, so a 6-node verify costs about a 5-node one and a 7-node one ~5 ms more (round 24.1 vs 29.1 ms).
     # N = 4/5/6/7 ran at 0.94/0.97/0.92/0.84x `ar` over all categories, the block's 8-node chain at 0.77x (tau 1.63;
-    # the 6-node tree 1.82).
-    DEFAULT_NODES: ClassVar[int] = 6
+    # the 6-node tree 1.82). With the drafter shipped on 2026-12-01, on held-out prompts
+    # (scripts/compare_tree_shapes.py --dflash 6 5 4 --num-prompts 5 --threads 2, AMD EPYC Zen 4, two runs): 5 nodes
+    # 1.416x and 1.323x `ar`, 6 nodes 1.345x and 1.282x (4 nodes: 1.384x in the first).
+    DEFAULT_NODES: ClassVar[int] = 5
     total_tokens: int | None = None   # nodes verified per round, root (bonus) included; None: see above
     top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
 
