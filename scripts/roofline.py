@@ -1,5 +1,7 @@
 """This machine's memory roofline for an engine's decode step: the streaming rates it reaches (a plain read and the
-best matrix-vector kernel), the bytes one step reads, and the limit in ms per step and tokens/s.
+best matrix-vector kernel), the bytes one step reads, and the limit in ms per step and tokens/s. Then the floor of a
+T-row verify: its bytes, or T rows of GEMM multiply-adds at the bf16 GEMM's measured compute rate, whichever is
+slower (the GEMMs only).
 
     python scripts/roofline.py [--engine DIR] [--threads 2] [--context 512]
 """
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 from whiflash_trt.bench.environment import cpu_model, default_engine_dir
-from whiflash_trt.bench.roofline import measure_stream_rates, roofline
+from whiflash_trt.bench.roofline import measure_gemm_compute, measure_stream_rates, roofline, verify_floor
 from whiflash_trt.config import parse_dtype
 from whiflash_trt.manifest import Manifest
 from whiflash_trt.runtime.loading import load_engine_kernels
@@ -31,7 +33,11 @@ def main() -> None:
     load_engine_kernels(Path(engine_dir), manifest)   # its bf16 GEMM is one of the kernels measured
     cfg = manifest.model
     rates = measure_stream_rates(cfg.hidden_size, cfg.intermediate_size)
-    result = roofline(cfg, parse_dtype(manifest.dtype), args.context, rates)
+    dtype = parse_dtype(manifest.dtype)
+    result = roofline(cfg, dtype, args.context, rates)
+    compute = measure_gemm_compute(cfg.hidden_size)
+    result["gemm_compute"] = {"gmacs": compute.gmacs, "kernel": compute.kernel, "threads": compute.threads}
+    result["verify_floor"] = verify_floor(cfg, dtype, args.context, rates, compute)
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -41,6 +47,11 @@ def main() -> None:
     print(f"one step reads {b['weights'] / 1e6:.1f} MB of weights ({manifest.dtype}) + {b['kv_cache'] / 1e6:.1f} MB "
           f"of KV at {args.context} tokens")
     print(f"roofline: {result['limit_ms_per_step']} ms per step = {result['limit_tokens_per_s']} tokens/s")
+    print(f"GEMM compute ({compute.kernel}, {cfg.hidden_size}x{cfg.hidden_size} weight in cache, 64 rows): "
+          f"{compute.gmacs} G multiply-adds/s")
+    for t, f in result["verify_floor"].items():
+        print(f"a {t}-row step: >= {f['floor_ms']} ms ({f['memory_ms']} ms of bytes, {f['compute_ms']} ms of GEMM "
+              f"multiply-adds) = {f['floor_ms'] / result['limit_ms_per_step']:.2f}x the decode roofline")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from whiflash_trt.bench.roofline import measure_stream_rates, roofline, step_bytes
+from whiflash_trt.bench.roofline import (gemm_macs_per_row, measure_gemm_compute, measure_stream_rates, roofline,
+                                       step_bytes, verify_floor)
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.models.target import TargetModel
 
@@ -32,3 +33,21 @@ def test_roofline_limit_follows_from_bytes_and_the_best_rate():
     out = roofline(cfg, torch.float32, 32, rates)
     seconds = out["bytes"]["total"] / (max(rates.plain_read, rates.best_kernel) * 1e9)
     assert out["limit_ms_per_step"] == pytest.approx(seconds * 1e3, abs=0.01)
+
+
+def test_verify_floor_is_the_slower_of_bytes_and_gemm_multiply_adds():
+    torch.set_num_threads(1)
+    rates = measure_stream_rates(hidden=64, rows=128, repeats=2)
+    compute = measure_gemm_compute(hidden=64, repeats=2, calls=2)
+    assert compute.gmacs > 0 and compute.threads == 1
+    cfg = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64)
+    # every projection (q, k, v, o, gate, up, down) and the LM head, once per row
+    assert gemm_macs_per_row(cfg) == 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 1000 * 64
+    floors = verify_floor(cfg, torch.bfloat16, 32, rates, compute, rows=(1, 16, 4096))
+    memory_ms = roofline(cfg, torch.bfloat16, 32, rates)["limit_ms_per_step"]
+    for t, f in floors.items():
+        assert f["memory_ms"] == pytest.approx(memory_ms, abs=0.01)
+        assert f["compute_ms"] == pytest.approx(t * gemm_macs_per_row(cfg) / compute.gmacs / 1e6, abs=0.01)
+        assert f["floor_ms"] == max(f["memory_ms"], f["compute_ms"])
+    assert floors[4096]["compute_ms"] > floors[16]["compute_ms"] > floors[1]["compute_ms"]

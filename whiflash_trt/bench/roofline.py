@@ -1,7 +1,11 @@
 """The memory roofline of decoding: one target step streams every weight once plus the KV cache it attends to, so no
 step can be faster than those bytes over the rate this machine streams memory at. Measured, not looked up: the rate
 of a plain read and of the best matrix-vector kernel torch (or the engine, whiflash_trt.kernels) has here, each over
-weights far larger than the caches."""
+weights far larger than the caches.
+
+A verify of T rows reads the same bytes but multiplies every weight T times: past a few rows its GEMMs are
+compute-bound, and no T-row step can beat T x the weights' multiply-adds at the rate the GEMM kernel computes when
+its weight sits in cache (measure_gemm_compute). verify_floor gives both limits per row count."""
 from __future__ import annotations
 
 import time
@@ -14,6 +18,7 @@ from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig
 
 BUFFER_BYTES = 256 * 2**20   # streamed per timed pass: far past any last-level cache
+COMPUTE_ROWS = 64            # rows of x when measuring the GEMM's compute rate: far past its memory-bound few rows
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,39 @@ def measure_stream_rates(hidden: int = 576, rows: int = 1536, repeats: int = 5) 
                        torch.get_num_threads())
 
 
+@dataclass(frozen=True)
+class ComputeRate:
+    """Multiply-adds per second (1e9) of a GEMM kernel at COMPUTE_ROWS rows over a cache-resident weight."""
+    gmacs: float
+    kernel: str
+    threads: int
+
+
+@torch.inference_mode()
+def measure_gemm_compute(hidden: int = 576, repeats: int = 5, calls: int = 20) -> ComputeRate:
+    """The bf16 GEMM's compute rate at torch's current thread count: the engine's kernel where it is loaded, else
+    F.linear; one [hidden, hidden] weight (SmolLM2's: 0.66 MB) called `calls` times per timed pass, so it stays in
+    cache and the multiply-adds, not the reads, set the time."""
+    torch.manual_seed(0)
+    weight = torch.randn(hidden, hidden).bfloat16()
+    x = torch.randn(COMPUTE_ROWS, hidden).bfloat16()
+    if kernels.registered():
+        name, packed = "whiflash linear_bf16", kernels.pack_weight(weight)
+        fn = lambda: [kernels.linear(x, packed, None, hidden) for _ in range(calls)]   # noqa: E731
+    else:
+        name, fn = "linear bf16", lambda: [F.linear(x, weight) for _ in range(calls)]   # noqa: E731
+    macs = calls * COMPUTE_ROWS * hidden * hidden
+    return ComputeRate(round(macs / _best_seconds(fn, repeats) / 1e9, 1), name, torch.get_num_threads())
+
+
+def gemm_macs_per_row(config: ModelConfig) -> int:
+    """Multiply-adds one row of a target step makes in its GEMMs: every projection and the LM head."""
+    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+    q = config.num_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return config.num_layers * per_layer + config.vocab_size * h
+
+
 def step_bytes(config: ModelConfig, dtype: torch.dtype, context: int) -> dict[str, int]:
     """Bytes one decode step must read: every weight matrix once (an untied embedding table only its one row) and
     the K/V of `context` positions in every layer."""
@@ -87,3 +125,17 @@ def roofline(config: ModelConfig, dtype: torch.dtype, context: int, rates: Strea
     ms = nbytes["total"] / (rate * 1e9) * 1e3
     return {"context": context, "bytes": nbytes, "rates_gbs": asdict(rates), "limit_ms_per_step": round(ms, 2),
             "limit_tokens_per_s": round(1e3 / ms, 1)}
+
+
+def verify_floor(config: ModelConfig, dtype: torch.dtype, context: int, rates: StreamRates, compute: ComputeRate,
+                 rows: tuple[int, ...] = (1, 6, 16)) -> dict[int, dict[str, float]]:
+    """Per row count T: the ms a T-row step cannot beat, from its bytes at the best streaming rate ("memory_ms") and
+    from T rows of GEMM multiply-adds at the measured compute rate ("compute_ms"); "floor_ms" is the larger. Only the
+    GEMMs: attention, norms and the rest come on top."""
+    memory_ms = step_bytes(config, dtype, context)["total"] / (max(rates.plain_read, rates.best_kernel) * 1e9) * 1e3
+    out = {}
+    for t in rows:
+        compute_ms = t * gemm_macs_per_row(config) / (compute.gmacs * 1e9) * 1e3
+        out[t] = {"memory_ms": round(memory_ms, 2), "compute_ms": round(compute_ms, 2),
+                  "floor_ms": round(max(memory_ms, compute_ms), 2)}
+    return out
