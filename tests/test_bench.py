@@ -53,7 +53,8 @@ def test_sweep_points_skip_the_default_and_name_their_threshold():
 
 
 def _run(prompt_id, mode, tokens, seconds, trace, catch_up=0.0):
-    phases = {"route": 0.0, "catch_up": catch_up, "draft": 0.0, "verify": seconds / 2 - catch_up, "commit": 0.0}
+    phases = {"route": 0.0, "drafter_prefill": 0.0, "catch_up": catch_up, "draft": 0.0,
+              "verify": seconds / 2 - catch_up, "commit": 0.0}
     return {"prompt_id": prompt_id, "category": "code", "mode": mode, "stats": {
         "new_tokens": tokens, "seconds": seconds, "prefill_seconds": seconds / 2, "trace": trace,
         "switches": sum(a[0] != b[0] for a, b in zip(trace, trace[1:])), "catch_up_tokens": 0,
@@ -161,7 +162,7 @@ def test_bench_writes_results_json_with_every_section(bench_run):
             cell = results["summary"][cat][mode]
             assert cell["num_prompts"] == 2 and cell["errors"] == 0
             assert cell["tau"] >= 1.0 and cell["tokens_per_s"] > 0 and cell["speedup"] > 0
-            assert set(cell["phase_share"]) == {"route", "catch_up", "draft", "verify", "commit"}
+            assert set(cell["phase_share"]) == {"route", "drafter_prefill", "catch_up", "draft", "verify", "commit"}
     assert results["summary"]["code"]["ar"]["tau"] == 1.0
     assert {p["mode"] for p in results["threshold_sweep"]["whiflash-neural"]} == {"whiflash-neural",
                                                                                   "whiflash-neural@-0.5"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
+
 from whiflash_trt.config import DFLASH, DFlashTreeConfig, GenerationConfig, SpecConfig
 
 
@@ -90,3 +92,32 @@ def test_dflash_cache_after_ddtree_rounds_is_what_a_fresh_prefill_gives(spec_eng
             checked += 1
         moved += sum(1 for _, t in out.stats["trace"] if t > 1)
     assert checked >= 8 and moved >= 3, "several DDTree rounds, some of them accepting drafts, must be checked"
+
+
+def test_a_drafters_prompt_prefill_is_its_own_phase_and_catch_up_counts_generated_tokens(spec_engine):
+    """The first round's KV-only pass over the prompt is drafter_prefill; catch_up then covers the tokens each round
+    committed (a static drafter's whole backlog but the last round's), so the switching overhead counts decoding."""
+    rng = random.Random(7)
+    vocab = spec_engine.target.config.vocab_size
+    prompt = [rng.randrange(1, vocab) for _ in range(25)]
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    # EAGLE-3's root forward writes position N-1 when it drafts: its prompt prefill is one position short, and it
+    # catches up a round's tokens but the last of them
+    for mode, prefilled, per_round in (("dflash", len(prompt), lambda t: t),
+                                       ("eagle3", len(prompt) - 1, lambda t: t - 1)):
+        stats = spec_engine.generate(prompt, gen, spec=SpecConfig(mode=mode)).stats
+        taus = [t for _, t in stats["trace"]]
+        assert len(taus) >= 3
+        assert stats["drafter_prefill_tokens"] == prefilled
+        # every round's tokens, caught up the round after (the last round's never)
+        assert stats["catch_up_tokens"] == sum(per_round(t) for t in taus[:-1])
+        phases = stats["phase_seconds"]
+        assert phases["drafter_prefill"] > 0 and phases["catch_up"] > 0
+        assert stats["switching_overhead"] == pytest.approx(phases["catch_up"] / sum(phases.values()), abs=1e-4)
+    # a routed run: each drafter prefills the prompt once, the first time it drafts (EAGLE-3 one position short only
+    # if that is the first round)
+    stats = spec_engine.generate(prompt, gen, spec=SpecConfig("whiflash", "entropy", 1.5, "lazy")).stats
+    drafters = [d for d, _ in stats["trace"]]
+    used = set(drafters) - {"none"}
+    assert used == {"eagle3", "dflash"}
+    assert stats["drafter_prefill_tokens"] == 2 * len(prompt) - (drafters[0] == "eagle3")

@@ -81,10 +81,7 @@ class OracleProposer(Proposer):
     def max_tree_tokens(self):
         return 3 * self.block + 1 if self.tree else self.block
 
-    def backlog(self, seq):
-        return 0
-
-    def catch_up(self, seq):
+    def catch_up(self, seq, end=None, start=None):
         return seq.num_committed
 
     def propose(self, seq):

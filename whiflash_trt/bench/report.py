@@ -111,8 +111,9 @@ def _routing(r: dict) -> str:
              ", ".join(f"{d} {_f(t)}" for d, t in c["tau_per_drafter"].items()),
              _f(c["switches_per_100_tokens"]), _pct(c["switching_overhead"]), _f(c["catch_up_tokens_per_round"])]
             for cat, mode, c in _cells(r, skip_ar=True)]
-    return ("## Routing and switching\n\nSwitching overhead: catch-up time / round time (static drafters also catch "
-            "up, on the tokens the last round accepted).\n\n"
+    return ("## Routing and switching\n\nSwitching overhead: catch-up time / round time. Catch-up is a drafter's "
+            "KV-only passes over generated tokens: the last round's accepted tokens (a static drafter too) and a "
+            "switch's backlog; a drafter's KV-only prefill of the prompt is the phase drafter_prefill.\n\n"
             + _table(["category", "mode", "share of rounds", "tau per drafter", "switches / 100 tok",
                       "switching overhead", "catch-up tokens / round"], rows))
 

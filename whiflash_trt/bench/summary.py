@@ -8,7 +8,9 @@ Definitions (all pooled over the prompts of a cell unless said otherwise):
     decode_speedup        the same with decode tokens/s
     round_share           share of rounds drafted by each drafter ("none" = a target-only round)
     switches_per_100_tokens  drafter changes between consecutive rounds, per 100 new tokens
-    switching_overhead    catch-up seconds / round seconds (route + catch_up + draft + verify + commit)
+    switching_overhead    catch-up seconds / round seconds (route + drafter_prefill + catch_up + draft + verify +
+                          commit); catch-up is the KV-only passes over generated tokens, a drafter's KV-only prefill
+                          of the prompt (in the first round it drafts) its drafter_prefill
     phase_share           each phase's share of round seconds; ms_per_round the mean round time
 """
 from __future__ import annotations

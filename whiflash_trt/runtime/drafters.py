@@ -31,8 +31,9 @@ class Proposal:
 class Proposer:
     """A drafter bound to its KV pool and the target, with its features' columns in the union capture of every verify.
     Each has a name, for_spec(spec) (a copy shaped by the request's tree settings), max_tree_tokens() (nodes a
-    round verifies), scratch_slots() (pool slots its draft steps use), backlog(seq), catch_up(seq) -> frontier,
-    propose(seq), and propose_many(seqs) for proposers of one group_key()."""
+    round verifies), scratch_slots() (pool slots its draft steps use), catch_up(seq, end=None,
+    start=None) -> frontier (its backlog from its frontier, or from `start`, up to `end` at most), propose(seq), and
+    propose_many(seqs) for proposers of one group_key()."""
     name: ClassVar[str]
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
@@ -69,14 +70,13 @@ class Eagle3Proposer(Proposer):
     def max_tree_tokens(self) -> int:
         return self.tree.total_tokens
 
-    def backlog(self, seq: Sequence) -> int:
-        return max(0, seq.num_committed - 1 - seq.frontiers.get(self.name, 0))
-
     @torch.inference_mode()
-    def catch_up(self, seq: Sequence) -> int:
-        """KV-only prefill of positions [frontier, N-1): pairs (F_t, x_{t+1}) with x_{t+1} committed.
-        Position N-1 (paired with the pending bonus) is written by the full root forward when drafting."""
-        start, end = seq.frontiers.get(self.name, 0), seq.num_committed - 1
+    def catch_up(self, seq: Sequence, end: int | None = None, start: int | None = None) -> int:
+        """KV-only prefill of positions [frontier, N-1) (or [start, end) within them): pairs (F_t, x_{t+1}) with
+        x_{t+1} committed. Position N-1 (paired with the pending bonus) is written by the full root forward when
+        drafting."""
+        start = seq.frontiers.get(self.name, 0) if start is None else start
+        end = seq.num_committed - 1 if end is None else min(end, seq.num_committed - 1)
         if end <= start:
             return max(start, 0)
         dev = self.pool.k.device
@@ -220,13 +220,12 @@ class DFlashProposer(Proposer):
         fits = max_prefix_tree_nodes(self.draft_block_len - 1, self.tree.top_k)
         return int(min(DFlashTreeConfig.DEFAULT_NODES, fits))
 
-    def backlog(self, seq: Sequence) -> int:
-        return max(0, seq.num_committed - seq.frontiers.get(self.name, 0))
-
     @torch.inference_mode()
-    def catch_up(self, seq: Sequence) -> int:
-        """KV-only prefill of context positions [frontier, N) from their target features."""
-        start, end = seq.frontiers.get(self.name, 0), seq.num_committed
+    def catch_up(self, seq: Sequence, end: int | None = None, start: int | None = None) -> int:
+        """KV-only prefill of context positions [frontier, N) (or [start, end) within them) from their target
+        features."""
+        start = seq.frontiers.get(self.name, 0) if start is None else start
+        end = seq.num_committed if end is None else min(end, seq.num_committed)
         if end <= start:
             return start
         dev = self.pool.k.device

@@ -256,12 +256,23 @@ class Engine:
             proposer = None  # no room left in the context window for a draft: a target-only round
         t1 = time.perf_counter()
         times["route"] = t1 - t0
-        # catch up: the chosen drafter only (lazy) or every drafter (eager)
-        frontiers = {}
+        # catch up: the chosen drafter only (lazy) or every drafter (eager). A drafter's first catch-up starts with
+        # the prompt's positions: that KV-only pass is the drafter's prefill, timed as a phase of its own, so that
+        # catch_up is what decoding adds (the last round's tokens, and a switch's backlog)
+        frontiers, prompt = {}, len(seq.prompt_ids)
+        times["drafter_prefill"] = times["catch_up"] = 0.0
         for p in (proposers.values() if req.spec.catch_up == "eager" else [proposer] if proposer else []):
-            stats.catch_up_tokens += p.backlog(seq)
-            frontiers[p.name] = p.catch_up(seq)
-        times["catch_up"] = time.perf_counter() - t1
+            start = seq.frontiers.get(p.name, 0)
+            if start < prompt:
+                t = time.perf_counter()
+                reached = p.catch_up(seq, end=prompt)
+                times["drafter_prefill"] += time.perf_counter() - t
+                stats.drafter_prefill_tokens += reached - start
+                start = reached
+            t = time.perf_counter()
+            frontiers[p.name] = p.catch_up(seq, start=start)
+            times["catch_up"] += time.perf_counter() - t
+            stats.catch_up_tokens += frontiers[p.name] - start
         return Draft(proposer.name if proposer else NO_DRAFT, DraftTree([seq.pending], [-1], [0]), frontiers, times)
 
     def verify_feed(self, req: Request, draft: "Draft") -> Feed:

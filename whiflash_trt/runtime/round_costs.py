@@ -4,8 +4,8 @@ A short calibration when an engine with a v2 router file loads (Engine.__init__)
 tokens in each static mode (`ar` for a target-only round, EAGLE-3 with the default tree, DFlash), after an untimed
 warm-up of each. The modes take turns (ar, EAGLE-3, DFlash, ar, ...) for `reps` repetitions so that a change of load
 on a shared machine hits all three alike, and a choice's cost is the median over repetitions of its mean round time
-(route, draft, verify, commit; not catch-up, which in these short runs is the whole prompt's KV-only prefill in
-the first round, while in steady decoding it is 1-2% of a round). About 7-10 s for SmolLM2-135M on one loaded CPU
+(route, draft, verify, commit; not the drafter's prefill of the prompt in the first round, nor catch-up, 1-2% of a
+round in steady decoding). About 7-10 s for SmolLM2-135M on one loaded CPU
 thread. The costs are used only as ratios (rate = tokens / seconds); on a loaded 2-core machine these calibrations
 gave EAGLE-3 : ar ratios of 2.5-3.0 and DFlash : ar 1.8-2.0 from run to run (the bench's 30-run means: 2.4, 1.7).
 Costs grow with the context length and the tree; the calibration fixes both at a short prompt and the default tree
@@ -93,6 +93,7 @@ def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_to
         for choice, mode in modes.items():
             stats = engine.generate(ids, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True),
                                     spec=SpecConfig(mode=mode)).stats
-            steady = sum(t for phase, t in stats["phase_seconds"].items() if phase != "catch_up")
+            steady = sum(t for phase, t in stats["phase_seconds"].items()
+                         if phase not in ("drafter_prefill", "catch_up"))
             samples[choice].append(steady / max(1, stats["rounds"]))
     return {choice: statistics.median(xs) for choice, xs in samples.items()}

@@ -285,7 +285,8 @@ def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, m
     for ids in prompt_ids:
         for name, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH)):
             st = engine.generate(ids, gen, spec=SpecConfig(mode=mode, tree=spec.tree)).stats
-            steady = sum(t for phase, t in st["phase_seconds"].items() if phase != "catch_up")
+            steady = sum(t for phase, t in st["phase_seconds"].items()
+                         if phase not in ("drafter_prefill", "catch_up"))
             samples[name].append(steady / max(1, st["rounds"]))
     return {name: statistics.median(xs) for name, xs in samples.items()}
 
