@@ -31,9 +31,9 @@ class Proposal:
 class Proposer:
     """A drafter bound to its KV pool and the target, with its features' columns in the union capture of every verify.
     Each has a name, for_spec(spec) (a copy shaped by the request's tree settings), max_tree_tokens() (nodes a
-    round verifies), scratch_slots() (pool slots its draft steps use), catch_up(seq, end=None,
-    start=None) -> frontier (its backlog from its frontier, or from `start`, up to `end` at most), propose(seq), and
-    propose_many(seqs) for proposers of one group_key()."""
+    round verifies), scratch_slots() (pool slots its draft steps use), catch_up(seq, end=None, start=None) ->
+    frontier (the KV-only prefill of its backlog, from its frontier or `start`, up to `end` at most), propose(seq),
+    and propose_many(seqs) for proposers of one group_key()."""
     name: ClassVar[str]
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
