@@ -209,7 +209,8 @@ class TreeConfig:
     # speed-up over `ar` with scripts/compare_tree_shapes.py (--eagle3 3,3,6 3,2,6 --num-prompts 5 --threads 2: 20
     # held-out prompts, 96 tokens, interleaved in one process; AMD EPYC Zen 4): 2 draft steps 1.304 against 1.308
     # for 3 on one day (on the bench's own prompts 1.328 and 1.335 against 1.349 and 1.320), then 1.474 against
-    # 1.367 and 1.339 against 1.343 on a later one (the shared machine slower: `ar` 17.5 and 14.9 ms per round).
+    # 1.367, 1.339 against 1.343 and 1.391 against 1.354 on a later one (`ar` 17.5, 14.9 and 10.9 ms per round: the
+    # shared machine's speed changed from run to run).
     # A third step adds tau (2.147 against 2.028) that its own cost takes back, so the cheaper round is the default.
     top_k: int = 3            # children per expanded node (1 = a chain)
     depth: int = 2            # draft steps per round
@@ -231,8 +232,8 @@ class DFlashTreeConfig:
     # weights, so a 6-node verify costs about a 5-node one and a 7-node one ~5 ms more (round 24.1 vs 29.1 ms).
     # N = 4/5/6/7 ran at 0.94/0.97/0.92/0.84x `ar` over all categories, the block's 8-node chain at 0.77x (tau 1.63;
     # the 6-node tree 1.82). With the drafter shipped on 2026-12-01, on held-out prompts
-    # (scripts/compare_tree_shapes.py --dflash 6 5 4 --num-prompts 5 --threads 2, AMD EPYC Zen 4, two runs): 5 nodes
-    # 1.416x and 1.323x `ar`, 6 nodes 1.345x and 1.282x (4 nodes: 1.384x in the first).
+    # (scripts/compare_tree_shapes.py --dflash 6 5 4 --num-prompts 5 --threads 2, AMD EPYC Zen 4, three runs): 5
+    # nodes 1.416x, 1.323x and 1.363x `ar`, 6 nodes 1.345x, 1.282x and 1.368x (4 nodes: 1.384x in the first).
     DEFAULT_NODES: ClassVar[int] = 5
     total_tokens: int | None = None   # nodes verified per round, root (bonus) included; None: see above
     top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
