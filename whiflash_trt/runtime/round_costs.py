@@ -93,7 +93,12 @@ def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_to
         for choice, mode in modes.items():
             stats = engine.generate(ids, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True),
                                     spec=SpecConfig(mode=mode)).stats
-            steady = sum(t for phase, t in stats["phase_seconds"].items()
-                         if phase not in ("drafter_prefill", "catch_up"))
-            samples[choice].append(steady / max(1, stats["rounds"]))
+            samples[choice].append(steady_seconds_per_round(stats))
     return {choice: statistics.median(xs) for choice, xs in samples.items()}
+
+
+def steady_seconds_per_round(stats: dict) -> float:
+    """A generation's mean round time (its stats dict) without the drafter's prompt prefill and catch-up: the cost
+    of a round as the router weighs it (see the module docstring)."""
+    steady = sum(t for phase, t in stats["phase_seconds"].items() if phase not in ("drafter_prefill", "catch_up"))
+    return steady / max(1, stats["rounds"])

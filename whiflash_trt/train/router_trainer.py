@@ -35,6 +35,7 @@ from whiflash_trt.bench.oracle import optimal
 from whiflash_trt.config import AR, DFLASH, EAGLE3, SpecConfig
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.replay import num_accepted, replay_drafts
+from whiflash_trt.runtime.round_costs import steady_seconds_per_round
 from whiflash_trt.spec.router import (DRAFTERS, FEATURES, NO_DRAFT, AcceptancePredictor, EntropyRouter, RouterHistory,
                                       RouteSignal, ThroughputRouter, route_signal)
 from whiflash_trt.spec.router_file import save_throughput_router
@@ -276,8 +277,8 @@ def calibrate(models: dict[tuple[float, float], AcceptancePredictor], records: l
 @torch.inference_mode()
 def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, max_new_tokens: int = 48) -> dict:
     """Seconds per round of `ar` (as "none") and each single-drafter mode on this machine: per prompt the three modes
-    take turns (a change of load hits all alike); per mode the median over prompts of its mean round time, catch-up
-    left out (as runtime.round_costs does: in short runs it is the first round's whole-prompt prefill)."""
+    take turns (a change of load hits all alike); per mode the median over prompts of its mean round time, the
+    drafter's prompt prefill and catch-up left out (runtime.round_costs.steady_seconds_per_round)."""
     from whiflash_trt.config import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
@@ -285,9 +286,7 @@ def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, m
     for ids in prompt_ids:
         for name, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH)):
             st = engine.generate(ids, gen, spec=SpecConfig(mode=mode, tree=spec.tree)).stats
-            steady = sum(t for phase, t in st["phase_seconds"].items()
-                         if phase not in ("drafter_prefill", "catch_up"))
-            samples[name].append(steady / max(1, st["rounds"]))
+            samples[name].append(steady_seconds_per_round(st))
     return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
