@@ -97,12 +97,16 @@ def measure_gemm_compute(hidden: int = 576, repeats: int = 5, calls: int = 20) -
     return ComputeRate(round(macs / _best_seconds(fn, repeats) / 1e9, 1), name, torch.get_num_threads())
 
 
-def gemm_macs_per_row(config: ModelConfig) -> int:
-    """Multiply-adds one row of a target step makes in its GEMMs: every projection and the LM head."""
+def _projection_weights(config: ModelConfig) -> int:
+    """Weights of one decoder layer's projections: q, k, v, o, gate, up, down."""
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q = config.num_heads * config.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-    return config.num_layers * per_layer + config.vocab_size * h
+    return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+
+
+def gemm_macs_per_row(config: ModelConfig) -> int:
+    """Multiply-adds one row of a target step makes in its GEMMs: every projection and the LM head."""
+    return config.num_layers * _projection_weights(config) + config.vocab_size * config.hidden_size
 
 
 def step_bytes(config: ModelConfig, dtype: torch.dtype, context: int) -> dict[str, int]:
@@ -110,8 +114,7 @@ def step_bytes(config: ModelConfig, dtype: torch.dtype, context: int) -> dict[st
     the K/V of `context` positions in every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
-    q = config.num_heads * config.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size + 2 * h
+    per_layer = _projection_weights(config) + 2 * h   # and the layer's two norms
     embedding_row = 0 if config.tie_word_embeddings else h   # a tied table is the LM head, read whole anyway
     weights = (config.num_layers * per_layer + h + config.vocab_size * h + embedding_row) * elem
     kv_cache = 2 * config.num_layers * context * kv * elem
