@@ -82,14 +82,21 @@ def attention_keys(segments: list[Segment], group: int, use_kernel: bool) -> Key
 
 def row_keys(segments: list[Segment]) -> RowKeys:
     """A row's visible keys in read order: the context, then (a tree node) its ancestors, then itself, exactly the
-    keys a chain gives that position."""
+    keys a chain gives that position. A segment's layout (order, lengths) is taken as it is; a mask alone is
+    ordered here."""
     slots, lengths = [], []
     for seg in segments:
-        rows, width = seg.mask.shape
-        if seg.order is not None:   # laid out by the caller: every row reads order.shape[1] keys
+        rows = seg.rows
+        if seg.order is not None:   # laid out by the caller
             slots.append(seg.read_slots[seg.order])
-            lengths.append(torch.full((rows,), seg.order.shape[1], device=seg.order.device))
+            lengths.append(seg.lengths if seg.lengths is not None
+                           else torch.full((rows,), seg.order.shape[1], device=seg.order.device))
             continue
+        if seg.lengths is not None:   # prefixes of the read keys
+            slots.append(seg.read_slots.expand(rows, -1))
+            lengths.append(seg.lengths)
+            continue
+        width = seg.mask.shape[1]
         count = seg.mask.sum(-1)
         if torch.equal(seg.mask, torch.arange(width, device=seg.mask.device) < count[:, None]):
             slots.append(seg.read_slots.expand(rows, width))  # prefill, decode, chain: a prefix of the read keys
@@ -110,11 +117,13 @@ def key_layout(segments: list[Segment], group: int) -> KeyLayout:
     at about the same chunk."""
     first, blocks, buckets = 0, [], {}
     for seg in segments:
-        rows, keys = seg.mask.shape
+        mask = seg.visible()
+        seg = Segment(seg.read_slots, mask)   # the blocks below read the mask
+        rows, keys = mask.shape
         if rows > ROW_BLOCK:
             blocks += [_row_block([seg], [first], lo, group) for lo in range(0, rows, ROW_BLOCK)]
         else:
-            prefix = torch.equal(seg.mask, torch.arange(keys, device=seg.mask.device) < seg.mask.sum(-1)[:, None])
+            prefix = torch.equal(mask, torch.arange(keys, device=mask.device) < mask.sum(-1)[:, None])
             key = (1 << (rows - 1).bit_length(), 0 if prefix else -(-keys // CHUNK))
             buckets.setdefault(key, []).append((seg, first))
         first += rows

@@ -25,13 +25,36 @@ class TargetOutput:
 
 @dataclass
 class Segment:
-    """One sequence's part of a batched target forward: its rows (the call's next mask.shape[0] rows) see only the
-    keys at `read_slots` [S] (pool slots in logical order) that `mask` [rows, S] bool allows. `order` [rows, K]
-    (optional, where every row sees K keys): each row's visible indices into read_slots in logical order, i.e. the
-    mask's True columns in order; the kernel's attention reads them as they are instead of ordering the mask."""
+    """One sequence's part of a batched target forward: its rows (the call's next `rows` rows) see only keys at
+    `read_slots` [S] (pool slots in logical order). Which ones, given either way:
+    - `mask` [rows, S] bool: the keys each row may see;
+    - `lengths` [rows] int64: row i sees read_slots[:lengths[i]] (prefill, decode, a chain), or with `order`
+      [rows, K]: read_slots[order[i, :lengths[i]]], each row's visible indices in logical order (a tree node: the
+      context, its ancestors, itself); `order` alone: every row sees K keys.
+    The engine's kernel reads the layout as it is; visible() gives the mask the torch attention and the exported
+    graphs take (built on demand: a round's host ops run with cold caches after the weights stream, ~20-40 us
+    each). Entries of `order` past a row's length are padding and must repeat one of its visible indices."""
     read_slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None = None
     order: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.mask is None and self.order is None and self.lengths is None:
+            raise ValueError("a Segment needs its rows' keys: a mask, an order or lengths")
+
+    @property
+    def rows(self) -> int:
+        return next(x for x in (self.mask, self.order, self.lengths) if x is not None).shape[0]
+
+    def visible(self) -> torch.Tensor:
+        """[rows, S] bool: the keys each row sees."""
+        if self.mask is not None:
+            return self.mask
+        width, dev = self.read_slots.shape[0], self.read_slots.device
+        if self.order is None:
+            return torch.arange(width, device=dev) < self.lengths[:, None]
+        return torch.zeros(self.rows, width, dtype=torch.bool, device=dev).scatter_(1, self.order, True)
 
 
 def feature_columns(layers: tuple[int, ...], captured: tuple[int, ...], hidden_size: int) -> torch.Tensor:

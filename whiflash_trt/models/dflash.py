@@ -119,10 +119,8 @@ def block_keys(reads: list[torch.Tensor], writes: list[torch.Tensor]) -> RowKeys
     block's scratch slots: bidirectional)."""
     segments = []
     for r, w in zip(reads, writes):
-        keys, rows = torch.cat([r, w]), w.numel()
-        every = torch.arange(keys.numel(), device=keys.device).expand(rows, -1)   # each row reads all its keys
-        visible = torch.ones((), dtype=torch.bool, device=keys.device).expand(rows, keys.numel())   # a view
-        segments.append(Segment(keys, visible, every))
+        keys = torch.cat([r, w])   # each row reads all of them
+        segments.append(Segment(keys, lengths=torch.full((w.numel(),), keys.numel(), device=keys.device)))
     return row_keys(segments)
 
 
@@ -214,6 +212,5 @@ class DFlashDrafter(nn.Module, DFlash):
                       v_cache: torch.Tensor, slots: torch.Tensor) -> None:
         if self.kv_prefill is None:
             return DFlash.write_kv_only(self, feats, positions, k_cache, v_cache, slots)
-        cos, sin = self.rotary(positions, feats.dtype)
-        empty = feats.new_empty(feats.shape[0], 0)
-        self.kv_prefill.write(feats, empty, cos[:, 0], sin[:, 0], k_cache, v_cache, slots)
+        cos, sin = self.rotary.rows(positions, feats.dtype)
+        self.kv_prefill.write(feats, feats[:, :0], cos, sin, k_cache, v_cache, slots)

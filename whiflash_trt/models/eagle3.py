@@ -152,5 +152,5 @@ class Eagle3Drafter(nn.Module, Eagle3):
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
         if self.kv_prefill is None:
             return Eagle3.write_kv_only(self, feats, embeds, positions, k_cache, v_cache, slots)
-        cos, sin = self.rotary(positions, feats.dtype)
-        self.kv_prefill.write(feats, embeds, cos[:, 0], sin[:, 0], k_cache, v_cache, slots)
+        cos, sin = self.rotary.rows(positions, feats.dtype)
+        self.kv_prefill.write(feats, embeds, cos, sin, k_cache, v_cache, slots)

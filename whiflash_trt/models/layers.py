@@ -141,10 +141,20 @@ class RotaryTable(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._cast: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, head_dim] each, broadcast over heads
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] in `dtype`, the same values as forward's: from tables cast once per dtype (a
+        drafter's catch-up takes them every round, and each host op of a round costs ~20-40 us)."""
+        key = (dtype, self.cos.device)
+        if key not in self._cast:
+            self._cast[key] = (self.cos.to(dtype), self.sin.to(dtype))
+        cos, sin = self._cast[key]
+        return cos[positions], sin[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

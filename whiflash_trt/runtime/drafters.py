@@ -38,7 +38,12 @@ class Proposer:
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         self.model, self.pool, self.target = model, pool, target
-        self.cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
+        # its columns of the captured features: a slice (a view) where they are one run, as when both drafters
+        # read the same layers, else an index
+        cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size)
+        first = int(cols[0])
+        run = torch.equal(cols, torch.arange(first, first + cols.numel()))
+        self.cols = slice(first, first + cols.numel()) if run else cols.to(pool.k.device)
 
     def group_key(self) -> tuple:
         """Proposers with equal keys can propose_many together."""
@@ -52,6 +57,11 @@ class Eagle3Proposer(Proposer):
     name = EAGLE3
     model: Eagle3
     tree = TreeConfig()      # the request's shape: see with_tree
+
+    def __init__(self, model: Eagle3, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
+        super().__init__(model, pool, target, union)
+        # draft id -> target id as a list, read once: a lookup per drafted token instead of torch ops every depth
+        self.target_ids: list[int] = model.to_target_ids(torch.arange(model.config.draft_vocab_size)).tolist()
 
     def group_key(self) -> tuple:
         return (self.name, self.tree)
@@ -103,23 +113,27 @@ class Eagle3Proposer(Proposer):
             torch.tensor([s.n - 1 for s in searches], device=dev), self.pool.k, self.pool.v,
             torch.cat([s.read[s.n - 1:s.n] for s in searches]), [s.root_segment() for s in searches])
         values, indices = top_k(logprobs, k)
-        ids, values = model.to_target_ids(indices).tolist(), values.tolist()
+        ids, values = self.to_target(indices), values.tolist()
         for i, s in enumerate(searches):
             s.start(ids[i], values[i], h[i:i + 1].expand(k, -1))
         for step in range(1, self.tree.depth):
-            steps = [s.step_inputs(step, k, scratch) for s in searches]   # (tokens, positions, write, segment)
+            steps = [s.step_inputs(step, k) for s in searches]   # (tokens, positions, write, segment)
             out, logprobs = model.draft_step(
                 embed(torch.tensor([t for tokens, *_ in steps for t in tokens], device=dev)),
                 torch.cat([s.level_hidden for s in searches]), torch.cat([p for _, p, _, _ in steps]), self.pool.k,
                 self.pool.v, torch.cat([w for _, _, w, _ in steps]), [seg for *_, seg in steps])
             values, indices = top_k(logprobs, k)   # [rows of every sequence, k]
-            ids, values = model.to_target_ids(indices).tolist(), values.tolist()
+            ids, values = self.to_target(indices), values.tolist()
             first = 0
             for s in searches:
                 rows = slice(first, first + len(s.level))
                 s.grow(step, values[rows], ids[rows], out[rows], k)
                 first = rows.stop
         return [Proposal(s.tree(self.tree.total_tokens), frontier=s.n) for s in searches]
+
+    def to_target(self, draft_ids: torch.Tensor) -> list[list[int]]:
+        table = self.target_ids
+        return [[table[i] for i in row] for row in draft_ids.tolist()]
 
 
 class _TreeSearch:
@@ -134,15 +148,14 @@ class _TreeSearch:
 
     def root_segment(self) -> Segment:
         """The root row at position N-1 sees the context (its own key included)."""
-        return Segment(self.read[:self.n], torch.ones(1, self.n, dtype=torch.bool, device=self.read.device),
-                       self.context[None])
+        return Segment(self.read[:self.n], lengths=torch.full((1,), self.n, device=self.read.device))
 
     def start(self, tokens: list[int], scores: list[float], hidden: torch.Tensor) -> None:
         k = len(tokens)
         self.tokens, self.parents, self.depths, self.scores = tokens, [-1] * k, [1] * k, scores
         self.level, self.level_hidden = list(range(k)), hidden   # nodes to expand and their parents' hidden
 
-    def step_inputs(self, step: int, k: int, scratch: int):
+    def step_inputs(self, step: int, k: int):
         """Depth `step`'s rows: the level's tokens at position N - 1 + step, written to scratch slots, each seeing the
         context and its expanded ancestors (`step` of them, itself included)."""
         n, width, dev = self.n, len(self.level), self.read.device
@@ -151,9 +164,8 @@ class _TreeSearch:
             self.ancestors[node] = self.ancestors[self.parents[node]] + [base + j]
         own = torch.tensor([self.ancestors[node] for node in self.level], device=dev)   # [width, step]
         order = torch.cat([self.context.expand(width, n), own], dim=1)
-        mask = torch.zeros(width, n + scratch, dtype=torch.bool, device=dev).scatter_(1, order, True)
         return ([self.tokens[i] for i in self.level], torch.full((width,), n - 1 + step, device=dev),
-                self.read[base:base + width], Segment(self.read, mask, order))
+                self.read[base:base + width], Segment(self.read, order=order))
 
     def grow(self, step: int, child_values: list[list[float]], child_ids: list[list[int]], out: torch.Tensor,
              k: int) -> None:
@@ -187,6 +199,7 @@ class DFlashProposer(Proposer):
         # packed once (SmolLM2: 8192 of 49152 rows, the head's read per round 5.6x smaller). `vocab` maps a column
         # of `head`'s logits to its target id. A target without its head as a tensor (a graph) drafts over all ids.
         ids, weight = model.draft_vocab(), target.head_weight()
+        self._mask_rows: torch.Tensor | None = None   # the block's mask-token rows (blocks_embeddings)
         self.vocab: list[int] | None = None
         self.head: FrozenLinear | None = None
         if ids is not None and weight is not None:
@@ -235,11 +248,19 @@ class DFlashProposer(Proposer):
 
     def block_embeddings(self, root: int) -> torch.Tensor:
         """[B, H]: the root token's embedding, then the mask token's (target row, or the drafter's own)."""
-        embed, dev = self.target.embed, self.pool.k.device
-        root_e = embed(torch.tensor([root], device=dev))
-        mask_e = (self.model.mask_embedding.to(root_e.dtype)[None] if self.model.mask_embedding is not None
-                  else embed(torch.tensor([self.model.config.mask_token_id], device=dev)))
-        return torch.cat([root_e, mask_e.expand(self.draft_block_len - 1, -1)])
+        return self.blocks_embeddings([root])
+
+    def blocks_embeddings(self, roots: list[int]) -> torch.Tensor:
+        """[len(roots) * B, H]: block_embeddings of every root, one after the other (one embedding lookup; the mask
+        rows are made once per proposer)."""
+        if self._mask_rows is None:
+            embed, dev = self.target.embed, self.pool.k.device
+            mask_e = (self.model.mask_embedding.to(self.target.dtype)[None] if self.model.mask_embedding is not None
+                      else embed(torch.tensor([self.model.config.mask_token_id], device=dev)))
+            self._mask_rows = mask_e.expand(self.draft_block_len - 1, -1)
+        root_e = self.target.embed(torch.tensor(roots, device=self.pool.k.device))
+        rows = self._mask_rows.expand(len(roots), -1, -1)
+        return torch.cat([root_e[:, None], rows], 1).flatten(0, 1)
 
     def group_key(self) -> tuple:
         return (self.name, self.tree)
@@ -263,8 +284,8 @@ class DFlashProposer(Proposer):
         dev, b = self.pool.k.device, self.draft_block_len
         depth = b - 1 if depth is None else depth
         hidden = self.model.forward_many(
-            torch.cat([self.block_embeddings(seq.pending) for seq in seqs]),
-            torch.cat([torch.arange(seq.num_committed, seq.num_committed + b, device=dev) for seq in seqs]),
+            self.blocks_embeddings([seq.pending for seq in seqs]),
+            torch.tensor([p for seq in seqs for p in range(seq.num_committed, seq.num_committed + b)], device=dev),
             self.pool.k, self.pool.v, [seq.slots(0, seq.num_committed).to(dev) for seq in seqs],
             [seq.slots(seq.num_committed, seq.num_committed + b).to(dev) for seq in seqs])
         drafts = hidden.view(len(seqs), b, -1)[:, 1:1 + depth].flatten(0, 1)

@@ -37,15 +37,13 @@ class DraftTree:
         return kids
 
     def mask(self) -> torch.Tensor:
-        """[T, T] bool: node i may see node j iff j is i or one of its ancestors."""
-        t = len(self.tokens)
-        m = torch.zeros(t, t, dtype=torch.bool)
-        for i in range(t):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = self.parents[j]
-        return m
+        """[T, T] bool: node i may see node j iff j is i or one of its ancestors (built as lists: one torch op)."""
+        rows: list[list[bool]] = []
+        for i, p in enumerate(self.parents):
+            row = list(rows[p]) if p >= 0 else [False] * len(self.tokens)
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool)
 
 
 def select_nodes(scores: list[float], depths: list[int], budget: int) -> list[int]:

@@ -70,12 +70,12 @@ class GraphTarget(Target):
         """The exported step takes one sequence: one call per segment (logits_indices ascending)."""
         outs, first = [], 0
         for seg in segments:
-            rows = slice(first, first + seg.mask.shape[0])
+            rows = slice(first, first + seg.rows)
             own = None
             if logits_indices is not None:
                 own = logits_indices[(logits_indices >= rows.start) & (logits_indices < rows.stop)] - first
             outs.append(self(input_ids[rows], positions[rows], k_cache, v_cache, write_slots[rows], seg.read_slots,
-                             seg.mask, capture_layers, own))
+                             seg.visible(), capture_layers, own))
             first = rows.stop
         captured = None if outs[0].captured is None else torch.cat([o.captured for o in outs])
         return TargetOutput(torch.cat([o.logits for o in outs]), torch.cat([o.hidden for o in outs]), captured)
@@ -97,9 +97,9 @@ class GraphEagle3(Eagle3):
         """The exported step takes one sequence: one call per segment."""
         outs, first = [], 0
         for seg in segments:
-            rows = slice(first, first + seg.mask.shape[0])
+            rows = slice(first, first + seg.rows)
             outs.append(self(embeds[rows], hidden[rows], positions[rows], k_cache, v_cache, write_slots[rows],
-                             seg.read_slots, seg.mask))
+                             seg.read_slots, seg.visible()))
             first = rows.stop
         return torch.cat(outs)
 
