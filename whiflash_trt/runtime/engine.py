@@ -290,8 +290,11 @@ class Engine:
         t1 = time.perf_counter()
         if not tree.is_chain:
             self.runner.pool.copy_slots(*seq.compaction(verdict.path))
-        path = torch.tensor(verdict.path, device=self.device)
-        features = out.captured.index_select(0, path) if req.proposers and out.captured is not None else None
+        features = None
+        if req.proposers and out.captured is not None:   # the accepted nodes' rows (a prefix: a view)
+            path, n = verdict.path, len(verdict.path)
+            features = (out.captured[:n] if path[-1] == n - 1
+                        else out.captured.index_select(0, torch.tensor(path, device=self.device)))
         seq.commit(verdict.tokens, verdict.bonus, features, draft.frontiers)
         last = verdict.path[-1]
         if req.router is not None:

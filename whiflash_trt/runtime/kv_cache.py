@@ -98,9 +98,9 @@ class KVPool:
         """Move K/V of src slots to dst slots in every layer (compaction of an accepted tree path)."""
         if src.numel() == 0:
             return
-        # Gather first: src and dst ranges may overlap.
-        self.k[:, dst] = self.k[:, src].clone()
-        self.v[:, dst] = self.v[:, src].clone()
+        # Gather first (index_select copies): src and dst ranges may overlap.
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
 
 
 class KVCache:

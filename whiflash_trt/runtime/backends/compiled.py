@@ -121,7 +121,8 @@ class CompiledDFlash(_CompiledDrafter, DFlash):
         if writes is None:
             return self.eager.forward_many(block_embeds, positions, k_cache, v_cache, reads)
         keys = block_keys(reads, writes)
-        inputs = (block_embeds, positions, k_cache, v_cache, torch.cat(writes), keys.slots, keys.lengths)
+        write = writes[0] if len(writes) == 1 else torch.cat(writes)
+        inputs = (block_embeds, positions, k_cache, v_cache, write, keys.slots, keys.lengths)
         hidden, = self.step(inputs, (k_cache, v_cache))
         return hidden
 
