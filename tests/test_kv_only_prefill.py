@@ -112,3 +112,15 @@ def test_dflash_block_on_the_kernel_equals_the_torch_attention():
         kernel_path = drafter.forward_many(embeds, positions, k_pool, v_pool, reads, writes)
     assert (kernel_path - torch_path).abs().max() <= 1e-4
     assert torch.equal(k_pool[:, context], before[0]) and torch.equal(v_pool[:, context], before[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rows_are_the_tables_rows_of_forward(dtype):
+    """Catch-up takes cos/sin from RotaryTable.rows (tables cast once per dtype): the values forward gives."""
+    from whiflash_trt.models.layers import RotaryTable
+
+    table = RotaryTable(16, 256, RopeConfig())
+    positions = torch.tensor([0, 7, 3, 255, 100])
+    cos, sin = table(positions, dtype)
+    rows = table.rows(positions, dtype)
+    assert rows[0].dtype == dtype and torch.equal(rows[0], cos[:, 0]) and torch.equal(rows[1], sin[:, 0])

@@ -263,3 +263,28 @@ def test_row_keys_take_a_segments_given_order_as_its_mask_orders_it():
     assert torch.equal(given.slots, alone.slots[:, :52])
     both = row_keys([Segment(read, mask, order), Segment(read[:40], torch.ones(1, 40, dtype=torch.bool))])
     assert torch.equal(both.slots[:3, :52], given.slots) and both.lengths.tolist() == [52, 52, 52, 40]
+
+
+def test_a_feeds_layout_reads_the_keys_its_mask_allows():
+    """step_many hands the kernel layouts (Segment.lengths for a chain, order and lengths for a tree) instead of
+    masks; each row must read exactly the keys the mask allows, in logical order, and visible() must give that
+    mask to the backends that take one."""
+    from whiflash_trt.models.attention import row_keys
+    from whiflash_trt.runtime.target_runner import tree_segment
+    from whiflash_trt.spec.tree import DraftTree
+
+    start, read = 40, torch.randperm(500)[:47]
+    chain = torch.ones(3, start + 3, dtype=torch.bool)
+    chain[:, start:] = torch.ones(3, 3, dtype=torch.bool).tril()
+    tree = DraftTree([5, 6, 7, 8, 9, 10, 11], [-1, 0, 0, 1, 1, 2, 3], [0, 1, 1, 2, 2, 2, 3])
+    treed = torch.ones(7, start + 7, dtype=torch.bool)
+    treed[:, start:] = tree.mask()
+    layouts = [(Segment(read[:start + 3], lengths=torch.arange(start + 1, start + 4)), chain),
+               (tree_segment(read, start, tree.mask()), treed)]
+    for seg, mask in layouts:
+        assert torch.equal(seg.visible(), mask)
+        given, alone = row_keys([seg]), row_keys([Segment(seg.read_slots, mask)])
+        assert given.lengths.tolist() == alone.lengths.tolist()
+        for row, n in enumerate(alone.lengths.tolist()):
+            assert torch.equal(given.slots[row, :n], alone.slots[row, :n])
+    assert tree_segment(read, start, tree.mask()).lengths.tolist() == [start + d + 1 for d in tree.depths]
