@@ -38,12 +38,17 @@ class Proposer:
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         self.model, self.pool, self.target = model, pool, target
-        # its columns of the captured features: a slice (a view) where they are one run, as when both drafters
-        # read the same layers, else an index
-        cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size)
-        first = int(cols[0])
-        run = torch.equal(cols, torch.arange(first, first + cols.numel()))
-        self.cols = slice(first, first + cols.numel()) if run else cols.to(pool.k.device)
+        self.cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
+        # how own_features selects them: not at all (both drafters read the same layers), a slice (a view) where they
+        # are one run, else the index
+        first, count = int(self.cols[0]), self.cols.numel()
+        self._select: torch.Tensor | slice | None = self.cols
+        if torch.equal(self.cols.cpu(), torch.arange(first, first + count)):
+            self._select = None if count == len(union) * target.config.hidden_size else slice(first, first + count)
+
+    def own_features(self, captured: torch.Tensor) -> torch.Tensor:
+        """This drafter's columns (self.cols) of captured target features [T, union features]."""
+        return captured if self._select is None else captured[:, self._select]
 
     def group_key(self) -> tuple:
         """Proposers with equal keys can propose_many together."""
@@ -90,7 +95,7 @@ class Eagle3Proposer(Proposer):
         if end <= start:
             return max(start, 0)
         dev = self.pool.k.device
-        feats = seq.features_between(start, end)[:, self.cols]
+        feats = self.own_features(seq.features_between(start, end))
         embeds = self.target.embed(torch.tensor(seq.tokens[start + 1:end + 1], device=dev))
         self.model.write_kv_only(feats, embeds, torch.arange(start, end, device=dev), self.pool.k, self.pool.v,
                                  seq.slots(start, end).to(dev))
@@ -107,7 +112,7 @@ class Eagle3Proposer(Proposer):
         model, embed = self.model, self.target.embed
         searches = [_TreeSearch(seq, seq.slots(0, seq.num_committed + scratch).to(dev)) for seq in seqs]
         # Root: the full layer at position N-1 on (fc(F_{N-1}), b); it also writes that position's K/V.
-        feats = joined([s.seq.features_between(s.n - 1, s.n) for s in searches])[:, self.cols]
+        feats = self.own_features(joined([s.seq.features_between(s.n - 1, s.n) for s in searches]))
         h, logprobs = model.draft_step(
             embed(torch.tensor([s.seq.pending for s in searches], device=dev)), model.fc(feats),
             torch.tensor([s.n - 1 for s in searches], device=dev), self.pool.k, self.pool.v,
@@ -242,8 +247,9 @@ class DFlashProposer(Proposer):
         if end <= start:
             return start
         dev = self.pool.k.device
-        self.model.write_kv_only(seq.features_between(start, end)[:, self.cols], torch.arange(start, end, device=dev),
-                                 self.pool.k, self.pool.v, seq.slots(start, end).to(dev))
+        self.model.write_kv_only(self.own_features(seq.features_between(start, end)),
+                                 torch.arange(start, end, device=dev), self.pool.k, self.pool.v,
+                                 seq.slots(start, end).to(dev))
         return end
 
     def block_embeddings(self, root: int) -> torch.Tensor:
