@@ -265,8 +265,9 @@ class DFlashProposer(Proposer):
                       else embed(torch.tensor([self.model.config.mask_token_id], device=dev)))
             self._mask_rows = mask_e.expand(self.draft_block_len - 1, -1)
         root_e = self.target.embed(torch.tensor(roots, device=self.pool.k.device))
-        rows = self._mask_rows.expand(len(roots), -1, -1)
-        return torch.cat([root_e[:, None], rows], 1).flatten(0, 1)
+        if len(roots) == 1:
+            return torch.cat([root_e, self._mask_rows])
+        return torch.cat([root_e[:, None], self._mask_rows.expand(len(roots), -1, -1)], 1).flatten(0, 1)
 
     def group_key(self) -> tuple:
         return (self.name, self.tree)
@@ -294,9 +295,9 @@ class DFlashProposer(Proposer):
             torch.tensor([p for seq in seqs for p in range(seq.num_committed, seq.num_committed + b)], device=dev),
             self.pool.k, self.pool.v, [seq.slots(0, seq.num_committed).to(dev) for seq in seqs],
             [seq.slots(seq.num_committed, seq.num_committed + b).to(dev) for seq in seqs])
-        drafts = hidden.view(len(seqs), b, -1)[:, 1:1 + depth].flatten(0, 1)
+        drafts = hidden[1:1 + depth] if len(seqs) == 1 else hidden.view(len(seqs), b, -1)[:, 1:1 + depth].flatten(0, 1)
         logits = self.target.logits(drafts) if self.head is None else self.head(drafts)
-        return list(logits.split(depth))
+        return [logits] if len(seqs) == 1 else list(logits.split(depth))
 
     def propose(self, seq: Sequence) -> Proposal:
         return self.propose_many([seq])[0]
