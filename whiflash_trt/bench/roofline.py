@@ -121,11 +121,15 @@ def step_bytes(config: ModelConfig, dtype: torch.dtype, context: int) -> dict[st
     return {"weights": weights, "kv_cache": kv_cache, "total": weights + kv_cache}
 
 
+def _stream_ms(nbytes: int, rates: StreamRates) -> float:
+    """Milliseconds to stream `nbytes` at the best measured rate."""
+    return nbytes / (max(rates.plain_read, rates.best_kernel) * 1e9) * 1e3
+
+
 def roofline(config: ModelConfig, dtype: torch.dtype, context: int, rates: StreamRates) -> dict:
     """The fastest possible decode step at `context` tokens, from the best measured streaming rate."""
     nbytes = step_bytes(config, dtype, context)
-    rate = max(rates.plain_read, rates.best_kernel)
-    ms = nbytes["total"] / (rate * 1e9) * 1e3
+    ms = _stream_ms(nbytes["total"], rates)
     return {"context": context, "bytes": nbytes, "rates_gbs": asdict(rates), "limit_ms_per_step": round(ms, 2),
             "limit_tokens_per_s": round(1e3 / ms, 1)}
 
@@ -135,7 +139,7 @@ def verify_floor(config: ModelConfig, dtype: torch.dtype, context: int, rates: S
     """Per row count T: the ms a T-row step cannot beat, from its bytes at the best streaming rate ("memory_ms") and
     from T rows of GEMM multiply-adds at the measured compute rate ("compute_ms"); "floor_ms" is the larger. Only the
     GEMMs: attention, norms and the rest come on top."""
-    memory_ms = step_bytes(config, dtype, context)["total"] / (max(rates.plain_read, rates.best_kernel) * 1e9) * 1e3
+    memory_ms = _stream_ms(step_bytes(config, dtype, context)["total"], rates)
     out = {}
     for t in rows:
         compute_ms = t * gemm_macs_per_row(config) / (compute.gmacs * 1e9) * 1e3

@@ -18,6 +18,7 @@ from whiflash_trt.models.contracts import DFlash, Eagle3, Segment, Target, featu
 from whiflash_trt.models.layers import FrozenLinear
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
+from whiflash_trt.runtime.target_runner import joined
 from whiflash_trt.spec.ddtree import prefix_tree, ranks_needed
 from whiflash_trt.spec.tree import DraftTree, select_nodes
 
@@ -200,11 +201,16 @@ class DFlashProposer(Proposer):
 
     def __init__(self, model: DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         super().__init__(model, pool, target, union)
+        # the block's mask-token rows (blocks_embeddings): the drafter's own embedding, or the target's row of the mask
+        # token
+        with torch.no_grad():
+            mask_e = (model.mask_embedding.to(target.dtype)[None] if model.mask_embedding is not None
+                      else target.embed(torch.tensor([model.config.mask_token_id], device=pool.k.device)))
+        self._mask_rows = mask_e.expand(self.draft_block_len - 1, -1)
         # A drafter trained over part of the vocabulary drafts from it alone: the target lm_head's rows of those ids,
         # packed once (SmolLM2: 8192 of 49152 rows, the head's read per round 5.6x smaller). `vocab` maps a column
         # of `head`'s logits to its target id. A target without its head as a tensor (a graph) drafts over all ids.
         ids, weight = model.draft_vocab(), target.head_weight()
-        self._mask_rows: torch.Tensor | None = None   # the block's mask-token rows (blocks_embeddings)
         self.vocab: list[int] | None = None
         self.head: FrozenLinear | None = None
         if ids is not None and weight is not None:
@@ -259,11 +265,6 @@ class DFlashProposer(Proposer):
     def blocks_embeddings(self, roots: list[int]) -> torch.Tensor:
         """[len(roots) * B, H]: block_embeddings of every root, one after the other (one embedding lookup; the mask
         rows are made once per proposer)."""
-        if self._mask_rows is None:
-            embed, dev = self.target.embed, self.pool.k.device
-            mask_e = (self.model.mask_embedding.to(self.target.dtype)[None] if self.model.mask_embedding is not None
-                      else embed(torch.tensor([self.model.config.mask_token_id], device=dev)))
-            self._mask_rows = mask_e.expand(self.draft_block_len - 1, -1)
         root_e = self.target.embed(torch.tensor(roots, device=self.pool.k.device))
         if len(roots) == 1:
             return torch.cat([root_e, self._mask_rows])
@@ -317,11 +318,6 @@ class DFlashProposer(Proposer):
                                  tree.depths)
             proposals.append(Proposal(tree, frontier=seq.num_committed))
         return proposals
-
-
-def joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(parts), without the copy for one sequence's part (each host op of a round costs ~20-40 us)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from whiflash_trt.models.contracts import DFlash, Eagle3, Segment, Target, Targe
 from whiflash_trt.models.dflash import DFlashDrafter, block_keys
 from whiflash_trt.models.eagle3 import Eagle3Drafter
 from whiflash_trt.models.target import TargetModel
+from whiflash_trt.runtime.target_runner import joined
 
 
 class Package:
@@ -121,8 +122,7 @@ class CompiledDFlash(_CompiledDrafter, DFlash):
         if writes is None:
             return self.eager.forward_many(block_embeds, positions, k_cache, v_cache, reads)
         keys = block_keys(reads, writes)
-        write = writes[0] if len(writes) == 1 else torch.cat(writes)
-        inputs = (block_embeds, positions, k_cache, v_cache, write, keys.slots, keys.lengths)
+        inputs = (block_embeds, positions, k_cache, v_cache, joined(writes), keys.slots, keys.lengths)
         hidden, = self.step(inputs, (k_cache, v_cache))
         return hidden
 
