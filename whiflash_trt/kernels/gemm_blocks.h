@@ -21,14 +21,18 @@ inline const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t 
   return keep.data_ptr<float>();
 }
 
-// fn(block, first column, columns, first row, rows) for every block of `block` outputs and tile of up to `tile` rows
+// fn(block, blocks, first column, columns, first row, rows) for every block of `block` outputs and tile of up to
+// `tile` rows. Each thread walks a contiguous run of blocks; where every row fits one tile of up to `pair_rows` rows,
+// it walks them two at a time (blocks = 2, the columns of both), a last odd one alone (blocks = 1).
 template <typename Fn>
-void for_each_tile(int64_t out_features, int64_t block, int64_t rows, int64_t tile, const Fn& fn) {
+void for_each_tile(int64_t out_features, int64_t block, int64_t rows, int64_t tile, int64_t pair_rows, const Fn& fn) {
   const int64_t blocks = (out_features + block - 1) / block;
+  const int64_t step = rows <= pair_rows ? 2 : 1;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t col = blk * block, cols = std::min(block, out_features - col);
-      for (int64_t r = 0; r < rows; r += tile) fn(blk, col, cols, r, std::min(tile, rows - r));
+    for (int64_t blk = begin; blk < end; blk += step) {
+      const int64_t count = std::min(step, end - blk);
+      const int64_t col = blk * block, cols = std::min(count * block, out_features - col);
+      for (int64_t r = 0; r < rows; r += tile) fn(blk, count, col, cols, r, std::min(tile, rows - r));
     }
   });
 }

@@ -69,8 +69,8 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& packed, const c10:
   const float* xp = xc.data_ptr<float>();
   const float* wp = pc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  whiflash::for_each_tile(out_features, kBlock, rows, kTileRows, [&](int64_t blk, int64_t col, int64_t cols,
-                                                                      int64_t r, int64_t n) {
+  whiflash::for_each_tile(out_features, kBlock, rows, kTileRows, 0, [&](int64_t blk, int64_t, int64_t col,
+                                                                         int64_t cols, int64_t r, int64_t n) {
     kBlockFns[n - 1](xp + r * depth, depth, wp + blk * depth * kBlock, depth, bp ? bp + col : nullptr,
                      yp + r * out_features + col, out_features, cols);
   });
