@@ -255,6 +255,25 @@ def test_paged_attention_matches_softmax_attention(dtype, dim):
         assert torch.allclose(out[t].double(), want, rtol=tol, atol=tol), f"row {t}"
 
 
+def test_paged_attention_writes_rows_given_as_views_of_a_fused_projection():
+    """K and V of a verify are column views of the fused QKV output (rows not contiguous): written in place, they
+    land in the pools and attend exactly as copies of them do."""
+    rows, heads, kv_heads, dim = 4, 6, 2, 64
+    q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows, heads, kv_heads, dim)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)        # [T, (heads + 2 kv_heads) D]
+    k_view = fused[:, heads * dim:(heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    v_view = fused[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim)
+    assert not v_view.is_contiguous()
+    write = torch.tensor([3, 150, 7, 299])
+    row_slots, row_len = torch.cat([torch.arange(100), write]).repeat(rows, 1), torch.tensor([101, 102, 103, 104])
+    got_pools, want_pools = (k_pool.clone(), v_pool.clone()), (k_pool.clone(), v_pool.clone())
+    got = kernels.paged_attention(q, k_view, v_view, *got_pools, 1, write, row_slots, row_len, dim ** -0.5)
+    want = kernels.paged_attention(q, k.contiguous(), v.contiguous(), *want_pools, 1, write, row_slots, row_len,
+                                   dim ** -0.5)
+    assert torch.equal(got_pools[0], want_pools[0]) and torch.equal(got_pools[1], want_pools[1])
+    assert torch.equal(got_pools[1][1, write], v) and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dim", [40, 64], ids=["dim40", "dim64"])
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_paged_attention_rows_do_not_depend_on_the_call(num_threads, dim):

@@ -297,13 +297,15 @@ void attend_dim(const at::Tensor& q, const Layer& pool, const at::Tensor& row_sl
 }
 
 // layer[write_slots[t]] = rows[t] for every row t: one memcpy of kv_heads * D per row (index_copy_'s dispatch and
-// checks cost ~3 us per call, 30 layers x 2 pools a step)
+// checks cost ~3 us per call, 30 layers x 2 pools a step). Rows whose kv_heads x D are contiguous are read in place:
+// V of a verify is such a view of the fused QKV projection, and a copy of it cost ~10 us per layer.
 void write_rows(char* layer, const Layer& pool, const at::Tensor& rows, const int64_t* slot) {
-  const at::Tensor src = rows.contiguous();
+  const bool in_place = rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2));
+  const at::Tensor src = in_place ? rows : rows.contiguous();
   const int64_t n = src.size(0), row_bytes = src.size(1) * src.size(2) * src.element_size();
-  const int64_t stride = pool.slot_stride * src.element_size();
+  const int64_t from_stride = src.stride(0) * src.element_size(), stride = pool.slot_stride * src.element_size();
   const auto* from = static_cast<const char*>(src.data_ptr());
-  for (int64_t t = 0; t < n; ++t) std::memcpy(layer + slot[t] * stride, from + t * row_bytes, row_bytes);
+  for (int64_t t = 0; t < n; ++t) std::memcpy(layer + slot[t] * stride, from + t * from_stride, row_bytes);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
