@@ -22,8 +22,8 @@ inline const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t 
 }
 
 // fn(block, blocks, first column, columns, first row, rows) for every block of `block` outputs and tile of up to
-// `tile` rows. Each thread walks a contiguous run of blocks; where every row fits one tile of up to `pair_rows` rows,
-// it walks them two at a time (blocks = 2, the columns of both), a last odd one alone (blocks = 1).
+// `tile` rows. Each thread walks a contiguous run of blocks; in a call of at most `pair_rows` rows it walks them two
+// at a time (blocks = 2, the columns of both), a last odd one alone (blocks = 1).
 template <typename Fn>
 void for_each_tile(int64_t out_features, int64_t block, int64_t rows, int64_t tile, int64_t pair_rows, const Fn& fn) {
   const int64_t blocks = (out_features + block - 1) / block;
