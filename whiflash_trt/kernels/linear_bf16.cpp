@@ -24,8 +24,8 @@
 // A call of one row (decode, an EAGLE-3 draft step) walks two adjacent blocks side by side: two streams in flight per
 // thread keep more of the memory bandwidth busy than one. Only the order in which the two blocks' instructions issue
 // changes, no lane's sum. Measured on the AMD EPYC above (2 threads, SmolLM2's decode step on the engine, the two
-// walks alternated in one process, medians of 12): the step took 0.87-0.93x as long. Two blocks at 2-3 rows, or
-// three or four blocks at one row, were no faster (2-3 rows slower: 24 accumulators leave few registers).
+// walks alternated in one process, medians of 12, three runs): the step took 0.87-0.94x as long. Two blocks at 2-3
+// rows, or three or four blocks at one row, were no faster (2-3 rows slower: 24 accumulators leave few registers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
