@@ -293,6 +293,24 @@ def test_paged_attention_rows_do_not_depend_on_the_call(num_threads, dim):
         torch.set_num_threads(before)
 
 
+def test_paged_attention_rows_do_not_depend_on_the_thread_count():
+    """A row's keys are cut into two runs by their number alone, never by the threads (kernel's split_at)."""
+    q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=4, dim=64)
+    write = torch.arange(250, 254)
+    row_slots = torch.cat([torch.arange(200), write]).repeat(4, 1)
+    row_len = torch.tensor([63, 64, 201, 204])   # one run, then two (odd and even)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(kernels.paged_attention(q, k, v, k_pool.clone(), v_pool.clone(), 1, write, row_slots, row_len,
+                                                0.1))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_paged_attention_rejects_bad_inputs():
     q, k, v, k_pool, v_pool = pools_and_queries(torch.float32, rows=2)
     write, row_len = torch.tensor([0, 1]), torch.tensor([2, 2])

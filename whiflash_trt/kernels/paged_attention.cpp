@@ -2,17 +2,24 @@
 // query row to its visible keys, given per row as pool slots in logical order. The op mutates the whole pools (not a
 // view of one layer) so that torch.export sees plain in-place writes to graph inputs.
 //
-// Row invariance by construction: one (row, head) is computed by one thread, in a fixed order that depends only on
-// its query and its keys: scores q.k 16 keys at a time (each key's 16 partial lanes over head_dim, bf16 by
-// VDPBF16PS and fp32 by FMAs, reduced by one fixed tree), the max, exp(s - max) 16 keys at a time and their sum
-// (16 lanes, then a fixed reduction), then sum_j p_j v_j in key order (16 lanes over head_dim; bf16 heads of a
-// multiple of 32 dims: p rounded to bf16, as flash attention does, and keys two at a time by VDPBF16PS). A verify
-// row, a tree node or a row of a batched call equals the same position fed alone, bit for bit (tests/test_kernels.py).
+// Row invariance by construction: a row's keys are cut into two runs at a point that depends on their number alone
+// (split_at); one (row, run, KV head) is computed by one thread, in a fixed order that depends only on its query and
+// its keys: scores q.k 16 keys at a time (each key's 16 partial lanes over head_dim, bf16 by VDPBF16PS and fp32 by
+// FMAs, reduced by one fixed tree), the max, exp(s - max) 16 keys at a time and their sum (16 lanes, then a fixed
+// reduction), then sum_j p_j v_j in key order (16 lanes over head_dim; bf16 heads of a multiple of 32 dims: p rounded
+// to bf16, as flash attention does, and keys two at a time by VDPBF16PS). The two runs' sums are then merged under
+// their common max. A verify row, a tree node or a row of a batched call equals the same position fed alone, bit for
+// bit (tests/test_kernels.py).
 //
-// Measured in the compiled SmolLM2 engine (AMD EPYC Zen 4, 2 threads, bf16, 300 keys, torch profiler per layer):
-// a 6-node tree 81 -> 57-69 us and a decode row 33 -> 28 us against a per-key _mm512_reduce_add_ps and no prefetch.
-// The paired values then took the op (30 layers, 300 keys, alternating processes, best of 15 x 10 steps, same EPYC)
-// from 0.60-0.74 to 0.38-0.54 ms at 1 row, 2.23-2.39 to 1.39-1.86 ms at 6 and 3.75-4.10 to 2.70-3.05 ms at 16.
+// Why two runs: a decode row has as many tasks as KV heads (SmolLM2: 3), so two threads took 2 and 1; one run per
+// thread of all KV heads balances them and reads each slot's K and V whole. Measured in an ad hoc harness (AMD EPYC
+// Zen 4, 2 threads, bf16, 282 keys, 30 layers after a 300 MB read, medians of 12, against one run per row): a 1-row
+// call 31.7 -> 28.7 us, a 6-row one 78.5 -> 68.4 us, together with the packed weights below (3% of that).
+//
+// Earlier, in the compiled SmolLM2 engine (same EPYC, 300 keys, torch profiler per layer): a 6-node tree 81 -> 57-69
+// us and a decode row 33 -> 28 us against a per-key _mm512_reduce_add_ps and no prefetch. The paired values then
+// took the op (30 layers, 300 keys, alternating processes, best of 15 x 10 steps, same EPYC) from 0.60-0.74 to
+// 0.38-0.54 ms at 1 row, 2.23-2.39 to 1.39-1.86 ms at 6 and 3.75-4.10 to 2.70-3.05 ms at 16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -42,11 +49,6 @@ constexpr int kMaxDim = 256;
 template <typename T, int Vecs>
 constexpr bool kPairs = std::is_same_v<T, at::BFloat16> && Vecs % 2 == 0;
 
-// x rounded to the nearest bf16 (ties to even), back in fp32
-inline __m512 round_bf16(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
 // sum_j p[h][j] v_j for G heads (accumulators in registers), keys in order, p already exp'd; -> acc_out[G][Vecs*16]
 template <typename T, int Vecs, int G>
 void weigh_values(const float* p, int64_t ld, const T* v_pool, int64_t slot_stride, const int64_t* slots,
@@ -67,11 +69,12 @@ void weigh_values(const float* p, int64_t ld, const T* v_pool, int64_t slot_stri
     for (int i = 0; i < Vecs; ++i) _mm512_store_ps(acc_out + (h * Vecs + i) * 16, acc[h][i]);
 }
 
-// weigh_values for bf16 values of head_dim Vecs * 16 (Vecs even) and weights p already rounded to bf16: keys two
+// weigh_values for bf16 values of head_dim Vecs * 16 (Vecs even) and weights p as bf16, packed by pairs (p_j in
+// the low half of dword j / 2 of a head's row, p_{j+1} in its high half; an odd last key pairs with zero): keys two
 // at a time, one VDPBF16PS per 16 dims adds p_j v_j[d] + p_{j+1} v_{j+1}[d] to lane d (the pair's products exact in
 // fp32), half the multiply-adds of the fp32 loop and no widening. The pair (v_j, v_{j+1}) is interleaved by
 // unpacklo/hi_epi16, which put dims 8L+0..3 (lo) and 8L+4..7 (hi) of each 128-bit quarter L in its dwords 4L..4L+3;
-// the accumulators go back to dim order at the end. An odd last key pairs with zero.
+// the accumulators go back to dim order at the end.
 template <int Vecs, int G>
 void weigh_pairs(const float* p, int64_t ld, const at::BFloat16* v_pool, int64_t slot_stride, const int64_t* slots,
                  int64_t keys, float* acc_out) {
@@ -91,10 +94,7 @@ void weigh_pairs(const float* p, int64_t ld, const at::BFloat16* v_pool, int64_t
       pair[2 * r + 1] = _mm512_unpackhi_epi16(va, vb);
     }
     for (int h = 0; h < G; ++h) {
-      uint32_t w0, w1 = 0;   // bf16 bits of p_j (low half) and p_{j+1} (high half): the top halves of their fp32
-      std::memcpy(&w0, p + h * ld + j, sizeof(float));
-      if (two) std::memcpy(&w1, p + h * ld + j + 1, sizeof(float));
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>((w0 >> 16) | (w1 & 0xFFFF0000u)));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p + h * ld)[j / 2]);
       for (int i = 0; i < Vecs; ++i) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], (__m512bh)pair[i], w);
     }
   }
@@ -197,13 +197,21 @@ inline void prefetch_chunk(const T* k_pool, const T* v_pool, int64_t slot_stride
       _mm_prefetch(reinterpret_cast<const char*>(v_pool + slots[j] * slot_stride) + b, _MM_HINT_T0);
 }
 
-// One row's heads that share a KV head (a GQA group). Scores 16 keys at a time per head (the keys stay in L1 across
-// the group's heads), then softmax and values; each value is loaded and widened once for all heads. A head's bits
-// depend on its query and its keys alone (not on the group, the row's place in the call, or the thread).
-// Vecs = ceil(head_dim / 16).
+// What one run of keys leaves for a head: its max score, sum of exp(s - max) and sum_j p_j v_j (Vecs * 16 lanes)
+template <int Vecs>
+struct Partial {
+  float top, total;
+  alignas(64) float acc[Vecs * 16];
+};
+
+// One row's heads that share a KV head (a GQA group), over one run of its keys. Scores 16 keys at a time per head
+// (the keys stay in L1 across the group's heads), then softmax and values; each value is loaded and widened once for
+// all heads. A head's bits depend on its query and its keys alone (not on the group, the row's place in the call,
+// or the thread). Vecs = ceil(head_dim / 16).
 template <typename T, int Vecs>
 void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, int64_t slot_stride,
-                  const int64_t* slots, int64_t keys, int64_t dim, float scale, float* scores, int64_t ld, T* out) {
+                  const int64_t* slots, int64_t keys, int64_t dim, float scale, float* scores, int64_t ld,
+                  Partial<Vecs>* out) {
   alignas(64) float acc[kMaxGroup][Vecs * 16];
   float top[kMaxGroup], total[kMaxGroup];
   const bool paired = kPairs<T, Vecs> && dim == Vecs * 16;   // bf16 values, p rounded to bf16 (weigh_pairs)
@@ -223,17 +231,25 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
     }
     top[h] = _mm512_reduce_max_ps(best);
   }
-  // p_j = exp(s_j - max), 16 keys at a time; their sum in 16 lanes, reduced once
+  // p_j = exp(s_j - max), 16 keys at a time; their sum in 16 lanes, reduced once. Paired, p goes back as bf16 over
+  // the first half of the head's row (written behind the scores still to read: 2 bytes a key after 4)
   for (int64_t h = 0; h < group; ++h) {
     float* sh = scores + h * ld;
+    auto* ph = reinterpret_cast<uint16_t*>(sh);
     __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(top[h]);
     for (int64_t j = 0; j < keys; j += 16) {
       __mmask16 m = lanes(keys - j);
       __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + j), shift)));
-      if (paired) p = round_bf16(p);
-      _mm512_mask_storeu_ps(sh + j, m, p);
+      if (paired) {
+        const __m256bh b = _mm512_cvtneps_pbh(p);
+        p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16));   // p as rounded
+        _mm256_mask_storeu_epi16(ph + j, m, (__m256i)b);
+      } else {
+        _mm512_mask_storeu_ps(sh + j, m, p);
+      }
       sums = _mm512_add_ps(sums, p);
     }
+    if (paired && keys % 2) ph[keys] = 0;
     total[h] = _mm512_reduce_add_ps(sums);
   }
   // heads 4 at a time, their accumulators in registers (each head's order is the same in any chunk)
@@ -248,9 +264,33 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
     }
   }
   for (int64_t h = 0; h < group; ++h) {
-    __m512 inv = _mm512_set1_ps(1.f / total[h]);
-    for (int i = 0; i < Vecs; ++i)
-      store16(out + h * dim + 16 * i, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * i), inv), lanes(dim - 16 * i));
+    out[h].top = top[h];
+    out[h].total = total[h];
+    std::memcpy(out[h].acc, acc[h], sizeof(out[h].acc));
+  }
+}
+
+// Where a row's keys are cut into its two runs (the second may be empty): past their middle, at a multiple of 16 (a
+// score chunk), once there are kSplitFrom keys; a function of their number alone, so rows stay invariant.
+constexpr int64_t kSplitFrom = 64;
+inline int64_t split_at(int64_t keys) { return keys < kSplitFrom ? keys : ((keys + 1) / 2 + 15) / 16 * 16; }
+
+// out = (a.acc e^(a.top - m) + b.acc e^(b.top - m)) / (a.total e^(a.top - m) + b.total e^(b.top - m)), m the larger
+// max; a alone where b is null
+template <typename T, int Vecs>
+void merge(const Partial<Vecs>& a, const Partial<Vecs>* b, int64_t dim, T* out) {
+  float wa = 1.f, wb = 0.f, total = a.total;
+  if (b != nullptr) {
+    const float m = std::max(a.top, b->top);
+    wa = std::exp(a.top - m);
+    wb = std::exp(b->top - m);
+    total = a.total * wa + b->total * wb;
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / total);
+  for (int i = 0; i < Vecs; ++i) {
+    __m512 x = _mm512_mul_ps(_mm512_load_ps(a.acc + 16 * i), _mm512_set1_ps(wa));
+    if (b != nullptr) x = _mm512_fmadd_ps(_mm512_load_ps(b->acc + 16 * i), _mm512_set1_ps(wb), x);
+    store16(out + 16 * i, _mm512_mul_ps(x, inv), lanes(dim - 16 * i));
   }
 }
 
@@ -272,14 +312,26 @@ void attend(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots,
   const int64_t* sp = row_slots.data_ptr<int64_t>();
   const int64_t* lp = row_len.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // task i: run i / rows of row i % rows, every KV head (the first runs of all rows, then the second runs: with two
+  // threads, each reads one half of the keys the rows share)
+  std::vector<Partial<Vecs>> part(2 * rows * heads);
+  at::parallel_for(0, 2 * rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * width);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / kv_heads, kv = i % kv_heads, first = (t * heads + kv * group) * dim;
-      attend_group<T, Vecs>(qp + first, group, kp + kv * dim, vp + kv * dim, pool.slot_stride, sp + t * width,
-                            lp[t], dim, static_cast<float>(scale), scores.data(), width, op + first);
+      const int64_t run = i / rows, t = i % rows, cut = split_at(lp[t]);
+      const int64_t from = run == 0 ? 0 : cut, to = run == 0 ? cut : lp[t];
+      for (int64_t kv = 0; to > from && kv < kv_heads; ++kv)
+        attend_group<T, Vecs>(qp + (t * heads + kv * group) * dim, group, kp + kv * dim, vp + kv * dim,
+                              pool.slot_stride, sp + t * width + from, to - from, dim, static_cast<float>(scale),
+                              scores.data(), width, part.data() + i * heads + kv * group);
     }
   });
+  for (int64_t t = 0; t < rows; ++t) {
+    const bool two = split_at(lp[t]) < lp[t];
+    for (int64_t h = 0; h < heads; ++h)
+      merge<T, Vecs>(part[t * heads + h], two ? &part[(rows + t) * heads + h] : nullptr, dim,
+                     op + (t * heads + h) * dim);
+  }
 }
 
 template <typename T>
