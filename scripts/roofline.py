@@ -1,9 +1,10 @@
 """This machine's memory roofline for an engine's decode step: the streaming rates it reaches (a plain read and the
 best matrix-vector kernel), the bytes one step reads, and the limit in ms per step and tokens/s. Then the floor of a
 T-row verify: its bytes, or T rows of GEMM multiply-adds at the bf16 GEMM's measured compute rate, whichever is
-slower (the GEMMs only).
+slower (the GEMMs only). With --decode-turns N, the engine's own decode step against the plain read, timed in N
+alternating turns: the step as a multiple of the roofline, side by side (the read rate of a shared machine swings).
 
-    python scripts/roofline.py [--engine DIR] [--threads 2] [--context 512]
+    python scripts/roofline.py [--engine DIR] [--threads 2] [--context 512] [--decode-turns 15]
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 
 from whiflash_trt.bench.environment import cpu_model, default_engine_dir
-from whiflash_trt.bench.roofline import measure_gemm_compute, measure_stream_rates, roofline, verify_floor
+from whiflash_trt.bench.roofline import (interleaved_decode, measure_gemm_compute, measure_stream_rates, roofline,
+                                       verify_floor)
 from whiflash_trt.config import parse_dtype
 from whiflash_trt.manifest import Manifest
 from whiflash_trt.runtime.loading import load_engine_kernels
@@ -25,6 +27,8 @@ def main() -> None:
     p.add_argument("--engine", help="engine directory (default: the embedded SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--context", type=int, default=512, help="tokens in the KV cache a step attends to")
+    p.add_argument("--decode-turns", type=int, default=0, help="time the engine's decode step against the plain read "
+                   "in this many alternating turns (0: not)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -38,6 +42,9 @@ def main() -> None:
     compute = measure_gemm_compute(cfg.hidden_size)
     result["gemm_compute"] = {"gmacs": compute.gmacs, "kernel": compute.kernel, "threads": compute.threads}
     result["verify_floor"] = verify_floor(cfg, dtype, args.context, rates, compute)
+    if args.decode_turns:
+        from whiflash_trt.runtime.engine import Engine
+        result["decode"] = interleaved_decode(Engine.load(engine_dir), args.context, args.decode_turns)
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -52,6 +59,12 @@ def main() -> None:
     for t, f in result["verify_floor"].items():
         print(f"a {t}-row step: >= {f['floor_ms']} ms ({f['memory_ms']} ms of bytes, {f['compute_ms']} ms of GEMM "
               f"multiply-adds) = {f['floor_ms'] / result['limit_ms_per_step']:.2f}x the decode roofline")
+    if args.decode_turns:
+        d = result["decode"]
+        lo, hi = d["step_over_roofline_range"]
+        print(f"the engine's decode step at {d['context']} tokens against the plain read, {d['turns']} alternating "
+              f"turns: step {d['step_ms']} ms, roofline {d['roofline_ms']} ms (read {d['plain_read_gbs']} GB/s); step / "
+              f"roofline {d['step_over_roofline']} (median of turns; {lo}-{hi})")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The roofline's byte count is what a decode step reads: every parameter of the target once (an untied embedding
-table only one row) plus the K/V of the context; its rates are measured, positive, at the current thread count."""
+table only one row) plus the K/V of the context; its rates are measured, positive, at the current thread count; the
+engine's decode step is timed against the read turn by turn."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from whiflash_trt.bench.roofline import (gemm_macs_per_row, measure_gemm_compute, measure_stream_rates, roofline,
-                                       step_bytes, verify_floor)
+from whiflash_trt.bench.roofline import (gemm_macs_per_row, interleaved_decode, measure_gemm_compute,
+                                       measure_stream_rates, roofline, step_bytes, verify_floor)
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.models.target import TargetModel
 
@@ -51,3 +52,16 @@ def test_verify_floor_is_the_slower_of_bytes_and_gemm_multiply_adds():
         assert f["compute_ms"] == pytest.approx(t * gemm_macs_per_row(cfg) / compute.gmacs / 1e6, abs=0.01)
         assert f["floor_ms"] == max(f["memory_ms"], f["compute_ms"])
     assert floors[4096]["compute_ms"] > floors[16]["compute_ms"] > floors[1]["compute_ms"]
+
+
+def test_interleaved_decode_times_the_engines_step_against_each_turns_read(spec_engine):
+    torch.set_num_threads(1)
+    cfg = spec_engine.target.config
+    out = interleaved_decode(spec_engine, context=20, turns=3)
+    assert out["bytes"] == step_bytes(cfg, spec_engine.target.dtype, 20)["total"]
+    assert out["step_ms"] > 0 and out["plain_read_gbs"] > 0
+    assert out["roofline_ms"] == pytest.approx(out["bytes"] / (out["plain_read_gbs"] * 1e9) * 1e3, rel=0.05, abs=0.01)
+    lo, hi = out["step_over_roofline_range"]
+    assert lo <= out["step_over_roofline"] <= hi
+    with pytest.raises(ValueError, match="turns"):
+        interleaved_decode(spec_engine, context=20, turns=0)

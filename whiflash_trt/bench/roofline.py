@@ -5,9 +5,15 @@ weights far larger than the caches.
 
 A verify of T rows reads the same bytes but multiplies every weight T times: past a few rows its GEMMs are
 compute-bound, and no T-row step can beat T x the weights' multiply-adds at the rate the GEMM kernel computes when
-its weight sits in cache (measure_gemm_compute). verify_floor gives both limits per row count."""
+its weight sits in cache (measure_gemm_compute). verify_floor gives both limits per row count.
+
+The machine's read rate swings from minute to minute on a shared host (a plain read of 27 to 55 GB/s within one
+session on the AMD EPYC these figures come from), so a roofline measured once and a decode rate measured later do not
+make a ratio. interleaved_decode times the engine's decode step and the plain read in turns, and each turn's step
+against that turn's limit."""
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -146,3 +152,37 @@ def verify_floor(config: ModelConfig, dtype: torch.dtype, context: int, rates: S
         out[t] = {"memory_ms": round(memory_ms, 2), "compute_ms": round(compute_ms, 2),
                   "floor_ms": round(max(memory_ms, compute_ms), 2)}
     return out
+
+
+@torch.inference_mode()
+def interleaved_decode(engine, context: int, turns: int = 15) -> dict:
+    """The engine's one-token decode step at `context` tokens of context and a plain read of BUFFER_BYTES, timed in
+    turns (after one untimed pair). Per turn, the roofline is the step's bytes (step_bytes) at that turn's read rate.
+    -> medians of the step's ms, the read's GB/s and the roofline's ms, and the median and range over turns of step /
+    roofline."""
+    if turns < 1 or context < 1:
+        raise ValueError(f"interleaved_decode needs turns >= 1 and context >= 1, got {turns}, {context}")
+    nbytes = step_bytes(engine.target.config, engine.target.dtype, context)["total"]
+    flat = torch.ones(BUFFER_BYTES // 4)
+    prompt = [i % engine.target.config.vocab_size for i in range(1, context + 1)]
+    steps, rates = [], []
+    with engine.scratch_sequence(prompt, context + 1) as seq:
+        engine.runner.step(seq, prompt, logits_rows=[context - 1])
+        seq.commit(prompt, prompt[0])
+        for turn in range(turns + 1):   # every step writes the same slot: the context stays `context` tokens
+            start = time.perf_counter()
+            flat.sum()
+            read = time.perf_counter() - start
+            start = time.perf_counter()
+            engine.runner.step(seq, [seq.pending])
+            step = time.perf_counter() - start
+            if turn:
+                steps.append(step)
+                rates.append(BUFFER_BYTES / read)
+    ratios = [s * rate / nbytes for s, rate in zip(steps, rates)]
+    return {"context": context, "turns": turns, "bytes": nbytes,
+            "step_ms": round(statistics.median(steps) * 1e3, 2),
+            "plain_read_gbs": round(statistics.median(rates) / 1e9, 2),
+            "roofline_ms": round(statistics.median(nbytes / r for r in rates) * 1e3, 2),
+            "step_over_roofline": round(statistics.median(ratios), 3),
+            "step_over_roofline_range": [round(min(ratios), 3), round(max(ratios), 3)]}
