@@ -170,6 +170,25 @@ def test_bench_writes_results_json_with_every_section(bench_run):
     assert set(results["summary"]["all"]["whiflash-neural"]["round_share"]) == {"eagle3", "dflash"}
 
 
+def test_bench_times_the_roofline_beside_every_prompt(bench_run):
+    """Each prompt's records carry the plain read timed just before them; a cell's x roofline is its decode rate
+    over the median of its prompts' limits (one step's bytes at that rate)."""
+    results = bench_run[2]
+    step_bytes = results["roofline"]["bytes"]["total"]
+    by_prompt = {}
+    for r in results["records"]:
+        assert r["read_gbs"] > 0
+        by_prompt.setdefault(r["prompt_id"], set()).add(r["read_gbs"])
+    assert all(len(reads) == 1 for reads in by_prompt.values())   # one read per prompt, shared by its modes
+    for cat in CATEGORIES:
+        records = [r for r in results["records"] if r["category"] == cat and r["mode"] == "ar"]
+        limits = sorted(r["read_gbs"] * 1e9 / step_bytes for r in records)
+        cell = results["summary"][cat]["ar"]
+        assert cell["roofline_tokens_per_s"] == pytest.approx(sum(limits) / 2, rel=1e-3)   # the median of two
+        assert cell["x_roofline"] == pytest.approx(cell["decode_tokens_per_s"] / cell["roofline_tokens_per_s"],
+                                                   abs=1e-4)   # kept to 4 digits
+
+
 def test_bench_modes_run_interleaved_in_rotating_order(bench_run):
     records = bench_run[2]["records"]
     firsts = [r["mode"] for r in records if r["order"] == 0]

@@ -7,6 +7,7 @@ and the engine's per-request stats; summary, losslessness check, report and plot
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -106,15 +107,19 @@ def warm_up(engine, prompt_ids: list[list[int]], modes: list[BenchMode], gen: Ge
 
 
 def run_prompts(engine, prompts: list[BenchPrompt], ids: dict[str, list[int]], modes: list[BenchMode],
-                gen: GenerationConfig, show_progress: bool = True) -> list[dict]:
+                gen: GenerationConfig, show_progress: bool = True,
+                read_rate: Callable[[], float] | None = None) -> list[dict]:
+    """Every mode on every prompt, in rotating order. `read_rate` (GB/s of a plain read) is timed before each
+    prompt's runs and kept in their records as read_gbs: the roofline at the time they ran."""
     records = []
     bar = tqdm(total=len(prompts) * len(modes), desc="bench", unit="run", disable=not show_progress)
     try:
         for i, p in enumerate(prompts):
+            read = {} if read_rate is None else {"read_gbs": round(read_rate(), 2)}
             for order, m in enumerate(rotation(modes, i)):
                 bar.set_postfix_str(f"{p.category} {m.name}", refresh=False)
                 record = {"prompt_id": p.id, "category": p.category, "mode": m.name, "base_mode": m.base,
-                          "order": order, "prompt_tokens": len(ids[p.id])}
+                          "order": order, "prompt_tokens": len(ids[p.id]), **read}
                 try:
                     result = engine.generate(ids[p.id], gen, spec=m.spec)
                 except Exception as e:  # a failing mode is a finding to report, not a reason to lose the run
@@ -133,6 +138,7 @@ def run_benchmark(opts: BenchOptions) -> dict:
     """Load, run, check, summarise; write results.json, results.md and the plots into opts.out. -> results."""
     from whiflash_trt.bench import environment, goals, oracle, plots, report
     from whiflash_trt.bench.lossless import NEAR_TIE, check_lossless
+    from whiflash_trt.bench.roofline import BUFFER_BYTES, plain_read_gbs
     from whiflash_trt.bench.prompts import load_prompts, prompt_set_digest
     from whiflash_trt.bench.summary import summarize, threshold_sweep
     from whiflash_trt.runtime.engine import Engine
@@ -150,10 +156,12 @@ def run_benchmark(opts: BenchOptions) -> dict:
     ids = encode_prompts(engine, prompts, opts.max_new_tokens)
     warm_up(engine, [ids[p.id] for p in prompts[:opts.warmup]], modes, gen)
     limit = _roofline(engine, opts, [len(i) for i in ids.values()])
-    records = run_prompts(engine, prompts, ids, modes, gen, opts.show_progress)
+    flat = torch.ones(BUFFER_BYTES // 4)
+    records = run_prompts(engine, prompts, ids, modes, gen, opts.show_progress, lambda: plain_read_gbs(flat))
+    del flat
     tolerance = opts.near_tie if opts.near_tie is not None else NEAR_TIE[opts.dtype]
     lossless = check_lossless(records, ids, engine.target_logits, tolerance)
-    summary = summarize(records)
+    summary = summarize(records, step_bytes=limit["bytes"]["total"])
     headroom = oracle.evaluate(engine, records, ids, summary, opts.spec, opts.show_progress) if opts.oracle else None
     results = {
         "schema": "whiflash-bench-v1",

@@ -82,16 +82,25 @@ def _setup(r: dict) -> str:
             + _table(["category", "prompts", "source (not used for drafter training)", "mean prompt tokens"], cats))
 
 
-def _headline(r: dict) -> str:
+def _x_roofline(r: dict, c: dict) -> float | None:
+    """The cell's decode rate over the roofline timed beside its prompts; results without those reads (older
+    runs) over the one measured before the run."""
+    if c.get("x_roofline") is not None:
+        return c["x_roofline"]
     limit = (r.get("roofline") or {}).get("limit_tokens_per_s")
-    rows = [[cat, mode, _f(c["tau"]), _f(c["tokens_per_s"]), _f(c["decode_tokens_per_s"]),
-             _f(c["decode_tokens_per_s"] / limit if limit and c["decode_tokens_per_s"] else None),
+    return c["decode_tokens_per_s"] / limit if limit and c.get("decode_tokens_per_s") else None
+
+
+def _headline(r: dict) -> str:
+    rows = [[cat, mode, _f(c["tau"]), _f(c["tokens_per_s"]), _f(c["decode_tokens_per_s"]), _f(_x_roofline(r, c)),
              _f(c["speedup"], "{:.2f}x"), _f(c["decode_speedup"], "{:.2f}x"), str(c["new_tokens"]),
              str(c["errors"]) if c["errors"] else ""] for cat, mode, c in _cells(r)]
     return ("## Acceptance and speed\n\ntau: mean acceptance length per round (accepted drafts + 1). tokens/s: new "
             "tokens over wall time, prefill included; decode tok/s leaves prefill out. Speedups: median over "
             "prompts of the per-prompt ratio to ar. x roofline: decode tok/s over the memory roofline's "
-            "tokens/s, the fastest one-token-per-step decoding this machine allows (" + _roofline_text(r) + ").\n\n"
+            "tokens/s, the fastest one-token-per-step decoding this machine allows: one step's bytes at the rate of "
+            "a plain read timed just before each prompt's runs, median over the cell's prompts (a shared machine's "
+            "read rate swings from minute to minute; " + _roofline_text(r) + ").\n\n"
             + _table(["category", "mode", "tau", "tokens/s", "decode tok/s", "x roofline", "speedup",
                       "decode speedup", "tokens", "failed runs"], rows))
 
@@ -101,9 +110,11 @@ def _roofline_text(r: dict) -> str:
     if not roof:
         return "not measured"
     rates = roof["rates_gbs"]
-    return (f"{roof['bytes']['total'] / 1e6:.0f} MB per step at {roof['context']} tokens of context, streamed at "
-            f"{max(rates['plain_read'], rates['best_kernel'])} GB/s: {roof['limit_ms_per_step']} ms per step, "
-            f"{roof['limit_tokens_per_s']} tokens/s; scripts/roofline.py")
+    reads = [rec["read_gbs"] for rec in r.get("records", []) if "read_gbs" in rec]
+    during = f"; the plain read beside the prompts: {min(reads)}-{max(reads)} GB/s" if reads else ""
+    return (f"{roof['bytes']['total'] / 1e6:.0f} MB per step at {roof['context']} tokens of context; before the run "
+            f"the machine streamed {max(rates['plain_read'], rates['best_kernel'])} GB/s: {roof['limit_ms_per_step']} "
+            f"ms per step, {roof['limit_tokens_per_s']} tokens/s{during}; scripts/roofline.py")
 
 
 def _routing(r: dict) -> str:

@@ -63,6 +63,13 @@ def _gemv_rate(dtype: torch.dtype, hidden: int, rows: int, repeats: int, engine_
     return count * rows * hidden * elem / _best_seconds(run, repeats) / 1e9
 
 
+def plain_read_gbs(flat: torch.Tensor) -> float:
+    """GB/s of one plain read (a sum) over `flat`: a turn of an interleaved measurement."""
+    start = time.perf_counter()
+    flat.sum()
+    return flat.numel() * flat.element_size() / (time.perf_counter() - start) / 1e9
+
+
 @torch.inference_mode()
 def measure_stream_rates(hidden: int = 576, rows: int = 1536, repeats: int = 5) -> StreamRates:
     """The rates at torch's current thread count. `hidden` x `rows` is one weight matrix (default: SmolLM2's MLP)."""
@@ -170,15 +177,13 @@ def interleaved_decode(engine, context: int, turns: int = 15) -> dict:
         engine.runner.step(seq, prompt, logits_rows=[context - 1])
         seq.commit(prompt, prompt[0])
         for turn in range(turns + 1):   # every step writes the same slot: the context stays `context` tokens
-            start = time.perf_counter()
-            flat.sum()
-            read = time.perf_counter() - start
+            rate = plain_read_gbs(flat) * 1e9
             start = time.perf_counter()
             engine.runner.step(seq, [seq.pending])
             step = time.perf_counter() - start
             if turn:
                 steps.append(step)
-                rates.append(BUFFER_BYTES / read)
+                rates.append(rate)
     ratios = [s * rate / nbytes for s, rate in zip(steps, rates)]
     return {"context": context, "turns": turns, "bytes": nbytes,
             "step_ms": round(statistics.median(steps) * 1e3, 2),

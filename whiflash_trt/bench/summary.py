@@ -12,6 +12,9 @@ Definitions (all pooled over the prompts of a cell unless said otherwise):
                           commit); catch-up is the KV-only passes over generated tokens, a drafter's KV-only prefill
                           of the prompt (in the first round it drafts) its drafter_prefill
     phase_share           each phase's share of round seconds; ms_per_round the mean round time
+    roofline_tokens_per_s the memory roofline when the cell's prompts ran: one decode step's bytes at the plain read
+                          rate timed just before each prompt (its records' read_gbs), median over the prompts
+    x_roofline            decode_tokens_per_s / roofline_tokens_per_s
 """
 from __future__ import annotations
 
@@ -35,7 +38,9 @@ def _median(xs: list[float | None]) -> float | None:
     return round(statistics.median(xs), 4) if xs else None
 
 
-def summarize_cell(records: list[dict], ar_by_prompt: dict[str, dict]) -> dict:
+def summarize_cell(records: list[dict], ar_by_prompt: dict[str, dict], step_bytes: int | None = None) -> dict:
+    """One cell's numbers (module docstring); the roofline ones where the records carry read_gbs and `step_bytes`
+    (one decode step's bytes) is given."""
     stats = [r["stats"] for r in records]
     taus = [t for s in stats for _, t in s["trace"]]
     drafters = [d for s in stats for d, _ in s["trace"]]
@@ -56,6 +61,9 @@ def summarize_cell(records: list[dict], ar_by_prompt: dict[str, dict]) -> dict:
             speedups.append(_ratio(s["new_tokens"] / s["seconds"], a["new_tokens"] / a["seconds"]))
             dt, da = _decode_tps(s), _decode_tps(a)
             decode_speedups.append(_ratio(dt, da) if dt is not None and da is not None else None)
+    reads = [r.get("read_gbs") for r in records]
+    roof = _median([g * 1e9 / step_bytes for g in reads]) if step_bytes and None not in reads else None
+    decode = _round(_ratio(tokens - len(records), seconds - prefill))
     return {
         "num_prompts": len(records),
         "new_tokens": tokens,
@@ -63,7 +71,9 @@ def summarize_cell(records: list[dict], ar_by_prompt: dict[str, dict]) -> dict:
         "tau": round(sum(taus) / rounds, 4) if rounds else None,
         "tau_per_drafter": {d: round(sum(ts) / len(ts), 4) for d, ts in sorted(per_drafter.items())},
         "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
-        "decode_tokens_per_s": _round(_ratio(tokens - len(records), seconds - prefill)),
+        "decode_tokens_per_s": decode,
+        "roofline_tokens_per_s": roof,
+        "x_roofline": _round(_ratio(decode, roof)) if decode is not None and roof is not None else None,
         "speedup": _median(speedups),
         "decode_speedup": _median(decode_speedups),
         "speedup_per_prompt": [_round(x) for x in speedups],
@@ -88,9 +98,9 @@ def ok(records: list[dict]) -> list[dict]:
     return [r for r in records if "error" not in r]
 
 
-def summarize(records: list[dict], baseline: str = "ar") -> dict:
+def summarize(records: list[dict], baseline: str = "ar", step_bytes: int | None = None) -> dict:
     """-> {category: {mode: cell}} in first-seen order, plus "all" over every category when there are several.
-    A cell counts its failed runs under "errors" and summarises the others."""
+    A cell counts its failed runs under "errors" and summarises the others (summarize_cell)."""
     ar = {r["prompt_id"]: r for r in ok(records) if r["mode"] == baseline}
     cells: dict[str, dict[str, list[dict]]] = {}
     for r in records:
@@ -103,7 +113,7 @@ def summarize(records: list[dict], baseline: str = "ar") -> dict:
         out[cat] = {}
         for mode, rs in modes.items():
             done = ok(rs)
-            cell = summarize_cell(done, ar) if done else {"num_prompts": 0}
+            cell = summarize_cell(done, ar, step_bytes) if done else {"num_prompts": 0}
             cell["errors"] = len(rs) - len(done)
             out[cat][mode] = cell
     return out
