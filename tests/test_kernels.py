@@ -274,7 +274,7 @@ def test_paged_attention_writes_rows_given_as_views_of_a_fused_projection():
     assert torch.equal(got_pools[1][1, write], v) and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("dim", [40, 64], ids=["dim40", "dim64"])
+@pytest.mark.parametrize("dim", [40, 64, 128], ids=["dim40", "dim64", "dim128"])
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_paged_attention_rows_do_not_depend_on_the_call(num_threads, dim):
     q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=9, dim=dim)
@@ -291,6 +291,26 @@ def test_paged_attention_rows_do_not_depend_on_the_call(num_threads, dim):
             assert torch.equal(alone[0], together[t]), f"row {t}"
     finally:
         torch.set_num_threads(before)
+
+
+def test_paged_attention_tree_rows_equal_each_node_alone():
+    """A tree verify's rows share the context and differ in their ancestors (the layout tree_segment gives); every
+    row equals its node fed alone."""
+    parents = [-1, 0, 0, 0, 1, 1, 2]
+    rows, context = len(parents), 203
+    q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=rows, dim=64)
+    write = torch.arange(250, 250 + rows)
+    own = []
+    for node, parent in enumerate(parents):
+        own.append((own[parent] if parent >= 0 else []) + [250 + node])
+    width = context + max(len(o) for o in own)
+    row_slots = torch.tensor([list(range(context)) + o + o[:1] * (width - context - len(o)) for o in own])
+    row_len = torch.tensor([context + len(o) for o in own])
+    together = kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, row_slots, row_len, 0.1)
+    for t in range(rows):
+        alone = kernels.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_pool, v_pool, 1, write[t:t + 1],
+                                        row_slots[t:t + 1], row_len[t:t + 1], 0.1)
+        assert torch.equal(alone[0], together[t]), f"row {t}"
 
 
 def test_paged_attention_rows_do_not_depend_on_the_thread_count():
