@@ -83,8 +83,8 @@ def _setup(r: dict) -> str:
 
 
 def _x_roofline(r: dict, c: dict) -> float | None:
-    """The cell's decode rate over the roofline timed beside its prompts; results without those reads (older
-    runs) over the one measured before the run."""
+    """The median over the cell's prompts of decode rate / the roofline timed before the prompt; results without
+    those reads (older runs): the cell's decode rate over the one roofline measured before the run."""
     if c.get("x_roofline") is not None:
         return c["x_roofline"]
     limit = (r.get("roofline") or {}).get("limit_tokens_per_s")
@@ -99,8 +99,8 @@ def _headline(r: dict) -> str:
             "tokens over wall time, prefill included; decode tok/s leaves prefill out. Speedups: median over "
             "prompts of the per-prompt ratio to ar. x roofline: decode tok/s over the memory roofline's "
             "tokens/s, the fastest one-token-per-step decoding this machine allows: one step's bytes at the rate of "
-            "a plain read timed just before each prompt's runs, median over the cell's prompts (a shared machine's "
-            "read rate swings from minute to minute; " + _roofline_text(r) + ").\n\n"
+            "a plain read timed just before each prompt's runs; median over the cell's prompts of that ratio (a "
+            "shared machine's read rate swings from minute to minute; " + _roofline_text(r) + ").\n\n"
             + _table(["category", "mode", "tau", "tokens/s", "decode tok/s", "x roofline", "speedup",
                       "decode speedup", "tokens", "failed runs"], rows))
 

@@ -14,7 +14,7 @@ Definitions (all pooled over the prompts of a cell unless said otherwise):
     phase_share           each phase's share of round seconds; ms_per_round the mean round time
     roofline_tokens_per_s the memory roofline when the cell's prompts ran: one decode step's bytes at the plain read
                           rate timed just before each prompt (its records' read_gbs), median over the prompts
-    x_roofline            decode_tokens_per_s / roofline_tokens_per_s
+    x_roofline            median over prompts of (a prompt's decode tokens/s / the roofline timed before it)
 """
 from __future__ import annotations
 
@@ -61,8 +61,11 @@ def summarize_cell(records: list[dict], ar_by_prompt: dict[str, dict], step_byte
             speedups.append(_ratio(s["new_tokens"] / s["seconds"], a["new_tokens"] / a["seconds"]))
             dt, da = _decode_tps(s), _decode_tps(a)
             decode_speedups.append(_ratio(dt, da) if dt is not None and da is not None else None)
-    reads = [r.get("read_gbs") for r in records]
-    roof = _median([g * 1e9 / step_bytes for g in reads]) if step_bytes and None not in reads else None
+    limits = [r["read_gbs"] * 1e9 / step_bytes if step_bytes and "read_gbs" in r else None for r in records]
+    x_roofline = None
+    if limits and None not in limits:
+        per_prompt = [(_decode_tps(r["stats"]), limit) for r, limit in zip(records, limits)]
+        x_roofline = _median([_ratio(d, limit) for d, limit in per_prompt if d is not None])
     decode = _round(_ratio(tokens - len(records), seconds - prefill))
     return {
         "num_prompts": len(records),
@@ -72,8 +75,8 @@ def summarize_cell(records: list[dict], ar_by_prompt: dict[str, dict], step_byte
         "tau_per_drafter": {d: round(sum(ts) / len(ts), 4) for d, ts in sorted(per_drafter.items())},
         "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
         "decode_tokens_per_s": decode,
-        "roofline_tokens_per_s": roof,
-        "x_roofline": _round(_ratio(decode, roof)) if decode is not None and roof is not None else None,
+        "roofline_tokens_per_s": None if x_roofline is None else _median(limits),
+        "x_roofline": x_roofline,
         "speedup": _median(speedups),
         "decode_speedup": _median(decode_speedups),
         "speedup_per_prompt": [_round(x) for x in speedups],
