@@ -138,8 +138,8 @@ def run_benchmark(opts: BenchOptions) -> dict:
     """Load, run, check, summarise; write results.json, results.md and the plots into opts.out. -> results."""
     from whiflash_trt.bench import environment, goals, oracle, plots, report
     from whiflash_trt.bench.lossless import NEAR_TIE, check_lossless
-    from whiflash_trt.bench.roofline import BUFFER_BYTES, plain_read_gbs
     from whiflash_trt.bench.prompts import load_prompts, prompt_set_digest
+    from whiflash_trt.bench.roofline import BUFFER_BYTES, plain_read_gbs
     from whiflash_trt.bench.summary import summarize, threshold_sweep
     from whiflash_trt.runtime.engine import Engine
 
