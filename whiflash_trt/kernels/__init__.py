@@ -1,7 +1,8 @@
 """The engine's own CPU kernels, compiled with the machine's C++ compiler into one library an engine directory
 carries, and loaded once per process:
-- linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with two inner loops (FMA on widened
-  pairs, or VDPBF16PS): `load` gives the process the one that is faster on this CPU (choose_gemm);
+- linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with three inner loops (FMA on widened
+  pairs, VDPBF16PS, or AMX tiles where the CPU has AMX-BF16): `load` gives the process the fastest one on this CPU
+  (choose_gemm);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification), the
   entropy and top-2 margin of a bonus position (the route signal), and each row's top k (the drafters' trees);
@@ -40,9 +41,11 @@ HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gemm_blocks.h"
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
-FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
+         "-mamx-bf16"]   # AMX only in linear_bf16's "amx" loop, run where the CPU has it
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-GEMM_VARIANTS = ("fma", "dot")   # linear_bf16.cpp's inner loops, by their index there
+GEMM_VARIANTS = ("fma", "dot", "amx")   # linear_bf16.cpp's inner loops, by their index there
+AMX_FLAGS = ("amx_tile", "amx_bf16")     # what the "amx" loop needs besides CPU_FLAGS
 GEMM_ENV = "WHIFLASH_GEMM"       # forces one of them (tests, comparisons)
 
 
@@ -73,6 +76,12 @@ def cpu_supported() -> bool:
     """The CPU has the instructions the kernel uses (read from /proc/cpuinfo; other systems: no)."""
     flags = cpuinfo("flags").split()
     return all(f in flags for f in CPU_FLAGS)
+
+
+def available_gemms() -> tuple[str, ...]:
+    """The GEMM loops this CPU can run ("amx" only with AMX-BF16)."""
+    flags = cpuinfo("flags").split()
+    return tuple(v for v in GEMM_VARIANTS if v != "amx" or all(f in flags for f in AMX_FLAGS))
 
 
 def version() -> str:
@@ -127,8 +136,8 @@ _gemm_chosen = False
 def set_gemm(variant: str) -> str:
     """Every later linear_bf16 call of this process runs `variant` (GEMM_VARIANTS); returns the previous one. The
     loops may round differently in the last bit: switch only between generations, never inside one."""
-    if variant not in GEMM_VARIANTS:
-        raise ValueError(f"GEMM variant must be one of {GEMM_VARIANTS}, got {variant!r}")
+    if variant not in available_gemms():
+        raise ValueError(f"GEMM variant must be one of {available_gemms()} on this CPU, got {variant!r}")
     return GEMM_VARIANTS[torch.ops.whiflash.set_gemm_variant(GEMM_VARIANTS.index(variant))]
 
 
@@ -143,8 +152,8 @@ def choose_gemm(cache_dir: Path | None = DEFAULT_CACHE) -> str:
     process on a machine rounds the same way."""
     forced = os.environ.get(GEMM_ENV)
     if forced:
-        if forced not in GEMM_VARIANTS:
-            raise ValueError(f"{GEMM_ENV} must be one of {GEMM_VARIANTS}, got {forced!r}")
+        if forced not in available_gemms():
+            raise ValueError(f"{GEMM_ENV} must be one of {available_gemms()} on this CPU, got {forced!r}")
         return forced
     cpu = " / ".join(cpuinfo(f) for f in ("vendor_id", "cpu family", "model", "model name"))
     path = None
@@ -152,7 +161,7 @@ def choose_gemm(cache_dir: Path | None = DEFAULT_CACHE) -> str:
         path = Path(cache_dir) / version() / f"gemm-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}.json"
         try:
             chosen = json.loads(path.read_text())["variant"]
-            if chosen in GEMM_VARIANTS:
+            if chosen in available_gemms():
                 return chosen
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -177,7 +186,7 @@ def measure_gemm(rows: tuple[int, ...] = (1, 8), weights: int = 8, repeats: int 
     before = gemm()
     seconds = {}
     try:
-        for variant in GEMM_VARIANTS:
+        for variant in available_gemms():
             set_gemm(variant)
             total = 0.0
             for x in xs:
