@@ -120,6 +120,14 @@ def test_the_gemm_loops_agree_to_one_rounding():
         assert torch.allclose(out["fma"], out[variant], rtol=2 ** -7, atol=1e-3), variant
 
 
+def test_the_amx_loop_is_offered_only_where_the_cpu_has_amx(monkeypatch):
+    flags = [f for f in kernels.cpuinfo("flags").split() if not f.startswith("amx")]
+    monkeypatch.setattr(kernels, "cpuinfo", lambda field: " ".join(flags) if field == "flags" else "")
+    assert kernels.available_gemms() == ("fma", "dot")
+    with pytest.raises(ValueError, match="GEMM variant"):
+        kernels.set_gemm("amx")
+
+
 def test_the_gemm_loop_is_chosen_once_per_cpu_and_can_be_forced(tmp_path, monkeypatch):
     monkeypatch.delenv(kernels.GEMM_ENV, raising=False)
     chosen = kernels.choose_gemm(tmp_path)

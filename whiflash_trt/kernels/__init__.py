@@ -79,9 +79,11 @@ def cpu_supported() -> bool:
 
 
 def available_gemms() -> tuple[str, ...]:
-    """The GEMM loops this CPU can run ("amx" only with AMX-BF16)."""
+    """The GEMM loops this process can run: "amx" only on a CPU with AMX-BF16 whose OS lets the process use it
+    (Linux 5.16 and later grant it on request; the kernels must be loaded to ask)."""
     flags = cpuinfo("flags").split()
-    return tuple(v for v in GEMM_VARIANTS if v != "amx" or all(f in flags for f in AMX_FLAGS))
+    amx = all(f in flags for f in AMX_FLAGS) and registered() and torch.ops.whiflash.amx_usable()
+    return tuple(v for v in GEMM_VARIANTS if v != "amx" or amx)
 
 
 def version() -> str:

@@ -307,6 +307,7 @@ TORCH_LIBRARY(whiflash, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("set_gemm_variant(int variant) -> int", &set_gemm_variant);
   m.def("gemm_variant() -> int", &gemm_variant);
+  m.def("amx_usable() -> bool", &amx_permitted);
 }
 
 TORCH_LIBRARY_IMPL(whiflash, CPU, m) {
