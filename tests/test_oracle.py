@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -51,6 +52,10 @@ def test_dp_equals_brute_force_and_beats_every_static_mode(seed):
     assert replay(accepted, costs, _follow(plan.choices)).seconds == pytest.approx(plan.seconds)
     for c in CHOICES:
         assert plan.seconds <= replay(accepted, costs, lambda i, c=c: c).seconds + 1e-12
+    # without skipping (bench.oracle's drafters-only headroom): never "none", the best of the drafters' sequences
+    drafters = solve(accepted, {**costs, NO_DRAFT: math.inf})
+    assert NO_DRAFT not in drafters.choices and drafters.seconds >= plan.seconds - 1e-12
+    assert drafters.seconds == pytest.approx(_brute_force(accepted, {**costs, NO_DRAFT: math.inf}))
 
 
 def _follow(choices):

@@ -8,10 +8,13 @@ output). Generation of M output tokens ends at state M - 1, so by dynamic progra
     V(i) = 0 for i >= M - 1,    V(i) = min_d [c_d + V(i + a_d(i) + 1)],
 and V(0) is the least decode time of any routing. c_d is the mean measured round time (all phases) of the static
 mode d in the same bench run; the static modes replayed with the same a_d and c_d are the like-for-like baseline.
+The same optimum without "none" (always drafting, only the drafter chosen) splits the headroom into what choosing
+the drafter can win and what skipping a round adds.
 The model leaves out what a real switch adds (a longer catch-up backlog) and round-to-round variation of c_d.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,11 +121,12 @@ def evaluate(engine, records: list[dict], ids: dict[str, list[int]], summary: di
     for r in tqdm(runs, desc="oracle", unit="prompt", disable=not show_progress):
         accepted = prompt_accepted(engine, ids[r["prompt_id"]], r["token_ids"], spec)
         plan = solve(accepted, costs)
+        drafters_only = solve(accepted, {**costs, NO_DRAFT: math.inf}).seconds if accepted else plan.seconds
         static = {STATIC[c]: replay(accepted, costs, lambda i, c=c: c).seconds
                   for c in CHOICES if c == NO_DRAFT or c in accepted}
         prompts.append({"prompt_id": r["prompt_id"], "category": r["category"], "new_tokens": len(r["token_ids"]),
                         "prefill_seconds": r["stats"]["prefill_seconds"], "seconds": plan.seconds,
-                        "static_seconds": static, "choices": list(plan.choices), "accepted": accepted})
+                        "drafters_only_seconds": drafters_only, "static_seconds": static, "choices": list(plan.choices), "accepted": accepted})
     groups: dict[str, list[dict]] = {}
     for p in prompts:
         groups.setdefault(p["category"], []).append(p)
@@ -152,6 +156,8 @@ def _cell(prompts: list[dict], measured: dict) -> dict:
         "replayed_decode_tokens_per_s": replayed,
         "best_replayed": best_replayed,
         "gain_over_best_replayed": _ratio(oracle_decode, replayed[best_replayed]),
+        "drafters_only_gain": _ratio(_rate(decode_tokens, sum(p["drafters_only_seconds"] for p in prompts)),
+                                     replayed[best_replayed]),
         "measured_tokens_per_s": {m: c["tokens_per_s"] for m, c in measured.items() if c.get("num_prompts")},
         "measured_decode_tokens_per_s": {m: c["decode_tokens_per_s"] for m, c in measured.items()
                                          if c.get("num_prompts")},

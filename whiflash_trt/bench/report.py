@@ -177,15 +177,18 @@ def _oracle(r: dict) -> str:
         rows.append([cat, _f(c["tokens_per_s"]), "-" if best is None else f"{best} {_f(measured[best])}",
                      _f(measured.get("whiflash-entropy")), _f(measured.get("whiflash-neural")),
                      _f(c["decode_tokens_per_s"]), ", ".join(f"{m} {_f(t)}" for m, t in replayed.items()),
-                     _f(c["gain_over_best_replayed"], "{:.3f}x"), _f(c["tau"]),
+                     _f(c["gain_over_best_replayed"], "{:.3f}x"), _f(c.get("drafters_only_gain"), "{:.3f}x"),
+                     _f(c["tau"]),
                      ", ".join(f"{d} {_pct(s)}" for d, s in c["round_share"].items())])
     return ("## Oracle headroom\n\nThe best per-round choice among no draft, EAGLE-3 and DFlash, by dynamic "
             "programming over each drafter's accepted length at every position of the ar output and the mean "
             f"measured round time of each static mode ({costs}). Oracle tok/s adds ar's prefill; the replayed "
             "columns walk the static modes through the same accepted lengths and costs (like for like); gain: "
-            "oracle over the best replayed static mode, decode only. Measured columns: this run's tokens/s.\n\n"
+            "oracle over the best replayed static mode, decode only; drafters only: the same without skipping a "
+            "round (only the drafter chosen). Measured columns: this run's tokens/s.\n\n"
             + _table(["category", "oracle tok/s", "best static (measured)", "whiflash-entropy", "whiflash-neural",
-                      "oracle decode tok/s", "replayed decode tok/s", "gain", "oracle tau", "oracle rounds"], rows))
+                      "oracle decode tok/s", "replayed decode tok/s", "gain", "drafters only", "oracle tau",
+                      "oracle rounds"], rows))
 
 
 def _sweep(r: dict) -> str:
