@@ -57,16 +57,17 @@ constexpr int kPairRows = 1;    // rows of x up to which two blocks are walked s
 enum Variant : int64_t { kFma = 0, kDot = 1, kAmx = 2 };
 std::atomic<int64_t> g_variant{kFma};
 
-// acc + bias, rounded to bf16, into y[rows, cols of one block]
-template <int Rows>
-inline void store_rows(__m512 (&acc)[Rows][4], const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
+// acc(r, j) + bias, rounded to bf16, into y[rows, cols of one block]: acc(r, j) is row r's 16 sums of outputs
+// 16j .. 16j + 15
+template <typename Acc>
+inline void store_block(int rows, const Acc& acc, const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
   for (int j = 0; j < 4; ++j) {
     int64_t left = cols - 16 * j;
     if (left <= 0) break;
     __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
     __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + 16 * j) : _mm512_setzero_ps();
-    for (int r = 0; r < Rows; ++r) {
-      __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
+    for (int r = 0; r < rows; ++r) {
+      __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc(r, j), b));
       _mm256_mask_storeu_epi16(y + r * ldy + 16 * j, keep, (__m256i)out);
     }
   }
@@ -83,7 +84,7 @@ inline void prefetch_block(const int32_t* wk) {
 }
 
 // The frame of both loops over `Blocks` adjacent blocks (1 or 2; `cols` columns in all): accumulators from zero, the
-// pairs k = 0, 1, ... in order, each block's pair k prefetched ahead and added, then store_rows per block;
+// pairs k = 0, 1, ... in order, each block's pair k prefetched ahead and added, then store_block per block;
 // add(acc, k, wk) adds pair k, its 4 x 16 int32 at wk, to every row's lanes of one block.
 template <int Rows, int Blocks, typename Add>
 inline void run_blocks(const int32_t* w, int64_t pairs, const float* bias, uint16_t* y, int64_t ldy, int64_t cols,
@@ -100,7 +101,8 @@ inline void run_blocks(const int32_t* w, int64_t pairs, const float* bias, uint1
     }
   }
   for (int b = 0; b < Blocks; ++b)
-    store_rows<Rows>(acc[b], bias ? bias + b * kBlock : nullptr, y + b * kBlock, ldy, cols - b * kBlock);
+    store_block(Rows, [&](int r, int j) { return acc[b][r][j]; }, bias ? bias + b * kBlock : nullptr, y + b * kBlock,
+                ldy, cols - b * kBlock);
 }
 
 // FMA loop: y[rows, 64 outputs of one block] from x in fp32 (exact: a bf16 is the top half of its fp32), so each x
@@ -153,9 +155,9 @@ constexpr Loops kDotLoops = {{dot_rows<1, 1>, dot_rows<2, 1>, dot_rows<3, 1>, do
 // AMX loop: a block's 64 outputs as four 16 x 16 fp32 tiles (C: tiles 0-3), for up to 16 rows of x at once. Each
 // step of 16 pairs loads the rows' 32 bf16 of x (A: tile 4) and the block's 16 pairs x 16 outputs four times (B:
 // tiles 5-7 in turn, a row of a B tile being one pair k's 16 int32 of the packed block: stride 256 bytes), then
-// TDPBF16PS adds A x B to each C. The tiles are stored, the bias added and each lane rounded once, as above. A row's
-// lanes depend on its own x alone (TDPBF16PS computes every row of its tiles independently), so rows stay invariant
-// to the call; K must be a multiple of 32 (amx_supported), else the call runs the DOT loop.
+// TDPBF16PS adds A x B to each C. The tiles are stored, then store_block adds the bias and rounds each lane once. A
+// row's lanes depend on its own x alone (TDPBF16PS computes every row of its tiles independently), so rows stay
+// invariant to the call; K must be a multiple of 32 (amx_supported), else the call runs the DOT loop.
 constexpr int kAmxRows = 16;   // rows of x per tile
 constexpr int kAmxPairs = 16;  // pairs of K per step (a tile row of 64 bytes)
 
@@ -195,16 +197,7 @@ void amx_block(const uint16_t* x, int64_t ldx, int rows, const int32_t* w, int64
   }
   alignas(64) float out[4][kAmxRows * 16];
   _tile_stored(0, out[0], 64); _tile_stored(1, out[1], 64); _tile_stored(2, out[2], 64); _tile_stored(3, out[3], 64);
-  for (int j = 0; j < 4; ++j) {
-    int64_t left = cols - 16 * j;
-    if (left <= 0) break;
-    __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + 16 * j) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
-      __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(out[j] + r * 16), b));
-      _mm256_mask_storeu_epi16(y + r * ldy + 16 * j, keep, (__m256i)v);
-    }
-  }
+  store_block(rows, [&](int r, int j) { return _mm512_load_ps(out[j] + r * 16); }, bias, y, ldy, cols);
 }
 
 // y = x W^T over every block with AMX: blocks spread over the threads, each walking its blocks for every tile of
