@@ -121,12 +121,13 @@ def evaluate(engine, records: list[dict], ids: dict[str, list[int]], summary: di
     for r in tqdm(runs, desc="oracle", unit="prompt", disable=not show_progress):
         accepted = prompt_accepted(engine, ids[r["prompt_id"]], r["token_ids"], spec)
         plan = solve(accepted, costs)
-        drafters_only = solve(accepted, {**costs, NO_DRAFT: math.inf}).seconds if accepted else plan.seconds
+        drafters_only = solve(accepted, {**costs, NO_DRAFT: math.inf}).seconds
         static = {STATIC[c]: replay(accepted, costs, lambda i, c=c: c).seconds
                   for c in CHOICES if c == NO_DRAFT or c in accepted}
         prompts.append({"prompt_id": r["prompt_id"], "category": r["category"], "new_tokens": len(r["token_ids"]),
                         "prefill_seconds": r["stats"]["prefill_seconds"], "seconds": plan.seconds,
-                        "drafters_only_seconds": drafters_only, "static_seconds": static, "choices": list(plan.choices), "accepted": accepted})
+                        "drafters_only_seconds": drafters_only, "static_seconds": static,
+                        "choices": list(plan.choices), "accepted": accepted})
     groups: dict[str, list[dict]] = {}
     for p in prompts:
         groups.setdefault(p["category"], []).append(p)

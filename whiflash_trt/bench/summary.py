@@ -66,7 +66,6 @@ def summarize_cell(records: list[dict], ar_by_prompt: dict[str, dict], step_byte
     if limits and None not in limits:
         per_prompt = [(_decode_tps(r["stats"]), limit) for r, limit in zip(records, limits)]
         x_roofline = _median([_ratio(d, limit) for d, limit in per_prompt if d is not None])
-    decode = _round(_ratio(tokens - len(records), seconds - prefill))
     return {
         "num_prompts": len(records),
         "new_tokens": tokens,
@@ -74,7 +73,7 @@ def summarize_cell(records: list[dict], ar_by_prompt: dict[str, dict], step_byte
         "tau": round(sum(taus) / rounds, 4) if rounds else None,
         "tau_per_drafter": {d: round(sum(ts) / len(ts), 4) for d, ts in sorted(per_drafter.items())},
         "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
-        "decode_tokens_per_s": decode,
+        "decode_tokens_per_s": _round(_ratio(tokens - len(records), seconds - prefill)),
         "roofline_tokens_per_s": None if x_roofline is None else _median(limits),
         "x_roofline": x_roofline,
         "speedup": _median(speedups),
