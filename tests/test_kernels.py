@@ -28,6 +28,15 @@ def gemm(request):
     kernels.set_gemm(before)
 
 
+@pytest.fixture(params=["avx512", "amx"] if "amx" in kernels.available_gemms() else ["avx512"])
+def attention_path(request):
+    """Each attention test runs once per path this CPU has: the AMX one (kernels/attention_amx.cpp) is taken for bf16
+    heads of a multiple of 64 dims in a process whose GEMM loop is AMX, the AVX-512 one otherwise."""
+    before = kernels.set_gemm("amx" if request.param == "amx" else "fma")
+    yield request.param
+    kernels.set_gemm(before)
+
+
 def weights(out_features: int, in_features: int, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
@@ -240,9 +249,9 @@ def pools_and_queries(dtype, rows: int, heads: int = 6, kv_heads: int = 2, dim: 
     return q, k, v, k_pool, v_pool
 
 
-@pytest.mark.parametrize("dim", [40, 64], ids=["dim40", "dim64"])   # 64: bf16 values weighed in pairs of keys
+@pytest.mark.parametrize("dim", [40, 64, 128], ids=["dim40", "dim64", "dim128"])   # 64, 128: the AMX path's too
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_paged_attention_matches_softmax_attention(dtype, dim):
+def test_paged_attention_matches_softmax_attention(attention_path, dtype, dim):
     rows, heads, kv_heads = 5, 6, 2
     q, k, v, k_pool, v_pool = pools_and_queries(dtype, rows, heads, kv_heads, dim)
     write = torch.tensor([290, 3, 150, 7, 299])
@@ -264,7 +273,7 @@ def test_paged_attention_matches_softmax_attention(dtype, dim):
         assert torch.allclose(out[t].double(), want, rtol=tol, atol=tol), f"row {t}"
 
 
-def test_paged_attention_writes_rows_given_as_views_of_a_fused_projection():
+def test_paged_attention_writes_rows_given_as_views_of_a_fused_projection(attention_path):
     """K and V of a verify are column views of the fused QKV output (rows not contiguous): written in place, they
     land in the pools and attend exactly as copies of them do."""
     rows, heads, kv_heads, dim = 4, 6, 2, 64
@@ -285,7 +294,7 @@ def test_paged_attention_writes_rows_given_as_views_of_a_fused_projection():
 
 @pytest.mark.parametrize("dim", [40, 64, 128], ids=["dim40", "dim64", "dim128"])
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_paged_attention_rows_do_not_depend_on_the_call(num_threads, dim):
+def test_paged_attention_rows_do_not_depend_on_the_call(attention_path, num_threads, dim):
     q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=9, dim=dim)
     write = torch.arange(250, 259)
     row_slots = torch.cat([torch.arange(200), write]).repeat(9, 1)
@@ -302,7 +311,7 @@ def test_paged_attention_rows_do_not_depend_on_the_call(num_threads, dim):
         torch.set_num_threads(before)
 
 
-def test_paged_attention_tree_rows_equal_each_node_alone():
+def test_paged_attention_tree_rows_equal_each_node_alone(attention_path):
     """A tree verify's rows share the context and differ in their ancestors (the layout tree_segment gives); every
     row equals its node fed alone."""
     parents = [-1, 0, 0, 0, 1, 1, 2]
@@ -322,7 +331,29 @@ def test_paged_attention_tree_rows_equal_each_node_alone():
         assert torch.equal(alone[0], together[t]), f"row {t}"
 
 
-def test_paged_attention_rows_do_not_depend_on_the_thread_count():
+def test_paged_attention_rows_of_a_batch_equal_each_row_alone(attention_path):
+    """A batched call's rows see other sequences' keys (in the AMX path: passes of their own per chunk), and rows of
+    one sequence share theirs; each equals its row alone, with more rows than one column tile holds (16 queries)."""
+    rows, heads, kv_heads, dim = 20, 6, 2, 64
+    q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows, heads, kv_heads, dim, slots=600)
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randperm(560, generator=g)[:n] for n in (40, 130, 97)]
+    owner = [t % 3 for t in range(rows)]
+    width = max(len(s) for s in sequences) + rows
+    row_slots, row_len = torch.zeros(rows, width, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+    for t in range(rows):   # sequence owner[t] at its own new keys so far (a chain per sequence)
+        own = [560 + u for u in range(t + 1) if owner[u] == owner[t]]
+        keys = torch.cat([sequences[owner[t]], torch.tensor(own)])
+        row_slots[t, :len(keys)], row_len[t] = keys, len(keys)
+    write = torch.arange(560, 560 + rows)
+    together = kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, row_slots, row_len, 0.1)
+    for t in range(rows):
+        alone = kernels.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_pool, v_pool, 1, write[t:t + 1],
+                                        row_slots[t:t + 1, :row_len[t]], row_len[t:t + 1], 0.1)
+        assert torch.equal(alone[0], together[t]), f"row {t}"
+
+
+def test_paged_attention_rows_do_not_depend_on_the_thread_count(attention_path):
     """A row's keys are cut into two runs by their number alone, never by the threads (kernel's split_at)."""
     q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=4, dim=64)
     write = torch.arange(250, 254)

@@ -6,10 +6,11 @@ carries, and loaded once per process:
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification), the
   entropy and top-2 margin of a bonus position (the route signal), and each row's top k (the drafters' trees);
-- paged_attention.cpp: attention of each row to its visible keys in a paged KV pool;
+- paged_attention.cpp: attention of each row to its visible keys in a paged KV pool (attention_amx.cpp: its path on
+  AMX tiles, taken with the GEMM's AMX loop);
 - kv_prefill.cpp: a drafter's KV-only prefill (plugins/kv_prefill.py) over packed weights, into its pools.
 The GEMMs and the attention give every row the same bits whatever else the call holds (what lossless verification
-needs); simd.h and gemm_blocks.h hold what they share.
+needs); simd.h, gemm_blocks.h, amx.h and attention.h hold what they share.
 
     path = compile_library(DEFAULT_CACHE)  # once per source version; whiflash-build copies it into the engine
     load(path)                             # registers torch.ops.whiflash.* in this process
@@ -36,13 +37,14 @@ import torch
 import torch.nn.functional as F
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "logits.cpp", "kv_prefill.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gemm_blocks.h")]
+           for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "attention_amx.cpp", "logits.cpp",
+                        "kv_prefill.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gemm_blocks.h", "amx.h", "attention.h")]
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
-         "-mamx-bf16"]   # AMX only in linear_bf16's "amx" loop, run where the CPU has it
+         "-mamx-bf16"]   # AMX only in the "amx" loop and the attention's AMX path, run where the CPU has it
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 GEMM_VARIANTS = ("fma", "dot", "amx")   # linear_bf16.cpp's inner loops, by their index there
 AMX_FLAGS = ("amx_tile", "amx_bf16")     # what the "amx" loop needs besides CPU_FLAGS

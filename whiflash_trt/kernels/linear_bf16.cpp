@@ -46,6 +46,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "gemm_blocks.h"
 
 namespace {
@@ -161,15 +162,9 @@ constexpr Loops kDotLoops = {{dot_rows<1, 1>, dot_rows<2, 1>, dot_rows<3, 1>, do
 constexpr int kAmxRows = 16;   // rows of x per tile
 constexpr int kAmxPairs = 16;  // pairs of K per step (a tile row of 64 bytes)
 
-struct TileConfig {            // the LDTILECFG layout, palette 1
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // This thread's tiles for `rows` rows of x (1-16)
 void configure_tiles(int rows) {
-  TileConfig cfg;
+  whiflash::TileConfig cfg;
   for (int t = 0; t < 4; ++t) cfg.rows[t] = rows, cfg.colsb[t] = 64;   // C: rows x 16 fp32
   cfg.rows[4] = rows, cfg.colsb[4] = 64;                               // A: rows x 32 bf16
   for (int t = 5; t < 8; ++t) cfg.rows[t] = kAmxPairs, cfg.colsb[t] = 64;  // B: 16 pairs x 16 outputs
@@ -197,6 +192,7 @@ void amx_block(const uint16_t* x, int64_t ldx, int rows, const int32_t* w, int64
   }
   alignas(64) float out[4][kAmxRows * 16];
   _tile_stored(0, out[0], 64); _tile_stored(1, out[1], 64); _tile_stored(2, out[2], 64); _tile_stored(3, out[3], 64);
+  whiflash::tile_memory_fence();
   store_block(rows, [&](int r, int j) { return _mm512_load_ps(out[j] + r * 16); }, bias, y, ldy, cols);
 }
 
@@ -295,6 +291,8 @@ int64_t set_gemm_variant(int64_t variant) {
 int64_t gemm_variant() { return g_variant.load(); }
 
 }  // namespace
+
+bool whiflash::amx_selected() { return g_variant.load(std::memory_order_relaxed) == kAmx; }
 
 TORCH_LIBRARY(whiflash, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");

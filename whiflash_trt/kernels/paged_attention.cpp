@@ -2,6 +2,10 @@
 // query row to its visible keys, given per row as pool slots in logical order. The op mutates the whole pools (not a
 // view of one layer) so that torch.export sees plain in-place writes to graph inputs.
 //
+// Two paths: bf16 heads of a multiple of 64 dims in a process whose GEMM loop is AMX take attention_amx.cpp's (tiles
+// for every query vector that shares the keys); every other call the AVX-512 one below. A process takes one path for
+// every call, so both halves of a verify-versus-decode comparison round alike.
+//
 // Row invariance by construction: a row's keys are cut into two runs at a point that depends on their number alone
 // (split_at); one (row, run, KV head) is computed by one thread, in a fixed order that depends only on its query and
 // its keys: scores q.k 16 keys at a time (each key's 16 partial lanes over head_dim, bf16 by VDPBF16PS and fp32 by
@@ -33,10 +37,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
+#include "attention.h"
 #include "simd.h"
 
 namespace {
 
+using whiflash::Layer;
+using whiflash::Partial;
+using whiflash::split_at;
 using whiflash::exp16;
 using whiflash::lanes;
 using whiflash::load16;
@@ -197,13 +206,6 @@ inline void prefetch_chunk(const T* k_pool, const T* v_pool, int64_t slot_stride
       _mm_prefetch(reinterpret_cast<const char*>(v_pool + slots[j] * slot_stride) + b, _MM_HINT_T0);
 }
 
-// What one run of keys leaves for a head: its max score, sum of exp(s - max) and sum_j p_j v_j (Vecs * 16 lanes)
-template <int Vecs>
-struct Partial {
-  float top, total;
-  alignas(64) float acc[Vecs * 16];
-};
-
 // One row's heads that share a KV head (a GQA group), over one run of its keys. Scores 16 keys at a time per head
 // (the keys stay in L1 across the group's heads), then softmax and values; each value is loaded and widened once for
 // all heads. A head's bits depend on its query and its keys alone (not on the group, the row's place in the call,
@@ -270,37 +272,6 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
   }
 }
 
-// Where a row's keys are cut into its two runs (the second may be empty): past their middle, at a multiple of 16 (a
-// score chunk), once there are kSplitFrom keys; a function of their number alone, so rows stay invariant.
-constexpr int64_t kSplitFrom = 64;
-inline int64_t split_at(int64_t keys) { return keys < kSplitFrom ? keys : ((keys + 1) / 2 + 15) / 16 * 16; }
-
-// out = (a.acc e^(a.top - m) + b.acc e^(b.top - m)) / (a.total e^(a.top - m) + b.total e^(b.top - m)), m the larger
-// max; a alone where b is null
-template <typename T, int Vecs>
-void merge(const Partial<Vecs>& a, const Partial<Vecs>* b, int64_t dim, T* out) {
-  float wa = 1.f, wb = 0.f, total = a.total;
-  if (b != nullptr) {
-    const float m = std::max(a.top, b->top);
-    wa = std::exp(a.top - m);
-    wb = std::exp(b->top - m);
-    total = a.total * wa + b->total * wb;
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / total);
-  for (int i = 0; i < Vecs; ++i) {
-    __m512 x = _mm512_mul_ps(_mm512_load_ps(a.acc + 16 * i), _mm512_set1_ps(wa));
-    if (b != nullptr) x = _mm512_fmadd_ps(_mm512_load_ps(b->acc + 16 * i), _mm512_set1_ps(wb), x);
-    store16(out + 16 * i, _mm512_mul_ps(x, inv), lanes(dim - 16 * i));
-  }
-}
-
-// One layer of the pools: raw pointers, not at::Tensor views (a select costs ~1.5 us of dispatch, 60 a step).
-struct Layer {
-  char* k;
-  char* v;
-  int64_t slots, kv_heads, dim, slot_stride;   // slot_stride in elements
-};
-
 template <typename T, int Vecs>
 void attend(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots, const at::Tensor& row_len,
             double scale, at::Tensor& out) {
@@ -326,12 +297,7 @@ void attend(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots,
                               scores.data(), width, part.data() + i * heads + kv * group);
     }
   });
-  for (int64_t t = 0; t < rows; ++t) {
-    const bool two = split_at(lp[t]) < lp[t];
-    for (int64_t h = 0; h < heads; ++h)
-      merge<T, Vecs>(part[t * heads + h], two ? &part[(rows + t) * heads + h] : nullptr, dim,
-                     op + (t * heads + h) * dim);
-  }
+  merge_runs<T, Vecs>(part.data(), lp, rows, heads, dim, op);
 }
 
 template <typename T>
@@ -404,7 +370,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     TORCH_CHECK(inside, "paged_attention: a read slot is outside the pool");
   }
   at::Tensor out = at::empty_like(qc);
-  if (q.scalar_type() == at::kFloat) {
+  if (q.scalar_type() == at::kBFloat16 && whiflash::amx_selected() && whiflash::amx_fits(pool.dim)) {
+    whiflash::attend_amx(qc.data_ptr<at::BFloat16>(), qc.size(0), qc.size(1), pool, sp, width, lp,
+                         static_cast<float>(scale), out.data_ptr<at::BFloat16>());
+  } else if (q.scalar_type() == at::kFloat) {
     attend_dim<float>(qc, pool, slots, len, scale, out);
   } else {
     attend_dim<at::BFloat16>(qc, pool, slots, len, scale, out);
