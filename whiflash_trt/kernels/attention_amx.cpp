@@ -350,8 +350,8 @@ void attend_tiles(const Call& call, int64_t tiles, at::BFloat16* out) {
   // the keys the rows share)
   at::parallel_for(0, 2 * per_run, 1, [&](int64_t begin, int64_t end) {
     configure();
-    std::vector<float> scores;
-    std::vector<uint16_t> p;
+    thread_local std::vector<float> scores;   // kept across calls: sized once, never zeroed again
+    thread_local std::vector<uint16_t> p;
     for (int64_t i = begin; i < end; ++i) {
       Task task(call, static_cast<int>(i / per_run), i % per_run / tiles, i % tiles, scores, p);
       task.run<Vecs>(part.data());
