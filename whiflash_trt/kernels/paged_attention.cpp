@@ -44,6 +44,7 @@
 namespace {
 
 using whiflash::Layer;
+using whiflash::merge_runs;
 using whiflash::Partial;
 using whiflash::split_at;
 using whiflash::exp16;
