@@ -215,7 +215,10 @@ class TreeConfig:
     # On an Intel Xeon with AMX, whose GEMM loop makes a 16-row verify's linears cost a 1-row step's, the default
     # still wins (--num-prompts 3, two runs): speed-up 1.459/1.463 for 3,2,6; 3,2,4 1.469, 3,2,8 1.430, 4,2,8 1.452,
     # 4,2,10 1.408, 3,3,8 1.430, 4,3,12 1.392, 4,4,16 1.304: each verified row still adds ~0.3 ms of attention and
-    # bookkeeping, and a draft step ~0.6 ms.
+    # bookkeeping, and a draft step ~0.6 ms. With the AMX attention as well (2026-12-03, same CPU, --num-prompts 5):
+    # 3,2,5 1.561 against 1.533 for 3,2,6 (3,2,4 1.515), and 1.607 against 1.589 on prompts 15-19 (--skip 15): a 6th
+    # node is a second tile of query vectors in every layer's attention (SmolLM2: 3 per row, 16 a tile). Not switched
+    # yet: the shipped router was fit for 6 nodes (it warns on other trees) and must be refit with the default.
     top_k: int = 3            # children per expanded node (1 = a chain)
     depth: int = 2            # draft steps per round
     total_tokens: int = 6     # nodes verified per round, root (bonus) included
@@ -239,7 +242,8 @@ class DFlashTreeConfig:
     # (scripts/compare_tree_shapes.py --dflash 6 5 4 --num-prompts 5 --threads 2, AMD EPYC Zen 4, three runs): 5
     # nodes 1.416x, 1.323x and 1.363x `ar`, 6 nodes 1.345x, 1.282x and 1.368x (4 nodes: 1.384x in the first).
     # On an Intel Xeon with AMX (same script, --num-prompts 3, two runs): 5 nodes 1.409x and 1.419x, 6 1.411x, 8
-    # 1.396x and 1.406x, 12 1.335x, 16 1.278x.
+    # 1.396x and 1.406x, 12 1.335x, 16 1.278x. With the AMX attention (2026-12-03, same CPU): 5 nodes 1.532x, 6
+    # 1.520x, 8 1.523x (--num-prompts 3); 5 nodes 1.497x, 4 1.466x (--num-prompts 5).
     DEFAULT_NODES: ClassVar[int] = 5
     total_tokens: int | None = None   # nodes verified per round, root (bonus) included; None: see above
     top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
