@@ -138,8 +138,9 @@ _gemm_chosen = False
 
 
 def set_gemm(variant: str) -> str:
-    """Every later linear_bf16 call of this process runs `variant` (GEMM_VARIANTS); returns the previous one. The
-    loops may round differently in the last bit: switch only between generations, never inside one."""
+    """Every later linear_bf16 call of this process runs `variant` (GEMM_VARIANTS), and with "amx" every bf16
+    paged_attention call of heads of a multiple of 64 dims its AMX path; returns the previous one. The loops and the
+    paths may round differently in the last bit: switch only between generations, never inside one."""
     if variant not in available_gemms():
         raise ValueError(f"GEMM variant must be one of {available_gemms()} on this CPU, got {variant!r}")
     return GEMM_VARIANTS[torch.ops.whiflash.set_gemm_variant(GEMM_VARIANTS.index(variant))]
