@@ -27,6 +27,26 @@ struct Layer {
 constexpr int64_t kSplitFrom = 64;
 inline int64_t split_at(int64_t keys) { return keys < kSplitFrom ? keys : ((keys + 1) / 2 + 31) / 32 * 32; }
 
+// A run's weights p_j = exp(s_j - top) for keys [0, n), 16 at a time, and their sum (16 lanes, reduced once). With
+// `bf16`, p rounded to bf16 goes there and the sum adds the rounded p (bf16 may lie over s: 2 bytes a key, written
+// behind the 4 still to read); without, p replaces s.
+inline float exp_weights(float* s, int64_t n, float top, uint16_t* bf16) {
+  __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes(n - j);
+    __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift)));
+    if (bf16 != nullptr) {
+      const __m256bh b = _mm512_cvtneps_pbh(p);
+      p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16));   // p as rounded
+      _mm256_mask_storeu_epi16(bf16 + j, m, (__m256i)b);
+    } else {
+      _mm512_mask_storeu_ps(s + j, m, p);
+    }
+    sums = _mm512_add_ps(sums, p);
+  }
+  return _mm512_reduce_add_ps(sums);
+}
+
 // What one run of keys leaves for a head: its max score, sum of exp(s - max) and sum_j p_j v_j (Vecs * 16 lanes)
 template <int Vecs>
 struct Partial {

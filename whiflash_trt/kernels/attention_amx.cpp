@@ -261,25 +261,16 @@ class Task {
     }
   }
 
-  // Column n's max, p = exp(s - max) as bf16 and the sum of the rounded p, 16 keys at a time from its run's start
+  // Column n's max and weights (exp_weights: p as bf16, the sum of the rounded p) from its run's start
   void softmax(int n, float& top, float& total) {
-    const float* s = scores_.data() + n * ld_;
-    uint16_t* p = p_.data() + n * ld_;
+    float* s = scores_.data() + n * ld_;
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (int64_t j = from_[n]; j < to_[n]; j += 16) {
       const __mmask16 m = lanes(to_[n] - j);
       best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, s + j));
     }
     top = _mm512_reduce_max_ps(best);
-    __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
-    for (int64_t j = from_[n]; j < to_[n]; j += 16) {
-      const __mmask16 m = lanes(to_[n] - j);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift)));
-      const __m256bh b = _mm512_cvtneps_pbh(e);
-      _mm256_mask_storeu_epi16(p + j, m, (__m256i)b);
-      sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16)));
-    }
-    total = _mm512_reduce_add_ps(sums);
+    total = exp_weights(s + from_[n], to_[n] - from_[n], top, p_.data() + n * ld_ + from_[n]);
   }
 
   // dims d0 .. d0 + 63 of every column's sum_j p_j v_j into acc[column][dim]

@@ -47,7 +47,7 @@ using whiflash::Layer;
 using whiflash::merge_runs;
 using whiflash::Partial;
 using whiflash::split_at;
-using whiflash::exp16;
+using whiflash::exp_weights;
 using whiflash::lanes;
 using whiflash::load16;
 using whiflash::store16;
@@ -234,26 +234,12 @@ void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, i
     }
     top[h] = _mm512_reduce_max_ps(best);
   }
-  // p_j = exp(s_j - max), 16 keys at a time; their sum in 16 lanes, reduced once. Paired, p goes back as bf16 over
-  // the first half of the head's row (written behind the scores still to read: 2 bytes a key after 4)
+  // the weights; paired, p goes back as bf16 over the first half of the head's row
   for (int64_t h = 0; h < group; ++h) {
     float* sh = scores + h * ld;
     auto* ph = reinterpret_cast<uint16_t*>(sh);
-    __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(top[h]);
-    for (int64_t j = 0; j < keys; j += 16) {
-      __mmask16 m = lanes(keys - j);
-      __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + j), shift)));
-      if (paired) {
-        const __m256bh b = _mm512_cvtneps_pbh(p);
-        p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16));   // p as rounded
-        _mm256_mask_storeu_epi16(ph + j, m, (__m256i)b);
-      } else {
-        _mm512_mask_storeu_ps(sh + j, m, p);
-      }
-      sums = _mm512_add_ps(sums, p);
-    }
+    total[h] = exp_weights(sh, keys, top[h], paired ? ph : nullptr);
     if (paired && keys % 2) ph[keys] = 0;
-    total[h] = _mm512_reduce_add_ps(sums);
   }
   // heads 4 at a time, their accumulators in registers (each head's order is the same in any chunk)
   for (int64_t h0 = 0; h0 < group; h0 += 4) {
