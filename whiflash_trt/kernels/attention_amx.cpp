@@ -98,12 +98,23 @@ struct Call {
   float scale;
 };
 
+// A thread's buffers, kept across its tasks and calls (sized once, no allocation per layer)
+struct Buffers {
+  std::vector<float> scores;     // [column][key]
+  std::vector<uint16_t> p;       // [column][key], bf16
+  std::vector<Pass> passes;      // every chunk's passes, chunk after chunk
+  std::vector<size_t> chunks;    // where each chunk's passes start in passes, then their end
+};
+
 class Task {
  public:
-  Task(const Call& call, int run, int64_t kv, int64_t tile, std::vector<float>& scores, std::vector<uint16_t>& p)
+  Task(const Call& call, int run, int64_t kv, int64_t tile, Buffers& buffers)
       : c_(call), run_(run), kv_(kv), first_col_(tile * kCols),
         cols_(std::min<int64_t>(kCols, call.rows * call.group - tile * kCols)), ld_((call.width + kChunk) / kChunk *
-        kChunk), scores_(scores), p_(p) {}
+        kChunk), scores_(buffers.scores), p_(buffers.p), passes_(buffers.passes), chunks_(buffers.chunks) {
+    passes_.clear();
+    chunks_.clear();
+  }
 
   // this task's partial results into part[(run * rows + row) * heads + head]
   template <int Vecs>
@@ -136,7 +147,7 @@ class Task {
     for (int64_t d0 = 0; d0 < c_.dim; d0 += 64) weigh(d0, acc);
     for (int n = 0; n < cols_; ++n) {
       if (from_[n] >= to_[n]) continue;
-      Partial<Vecs>& out = part[(run_ * c_.rows + row(n)) * c_.heads + kv_ * c_.group + (first_col_ + n) % c_.group];
+      Partial<Vecs>& out = part[(run_ * c_.rows + row(n)) * c_.heads + head(n)];
       out.top = top[n], out.total = total[n];
       std::memcpy(out.acc, acc[n], sizeof(out.acc));
     }
@@ -144,6 +155,7 @@ class Task {
 
  private:
   int64_t row(int n) const { return (first_col_ + n) / c_.group; }
+  int64_t head(int n) const { return kv_ * c_.group + (first_col_ + n) % c_.group; }
   const int64_t* slots_of(int64_t r) const { return c_.slots + r * c_.width; }
   void range(int64_t r, int64_t& from, int64_t& to) const {
     const int64_t cut = split_at(c_.len[r]);
@@ -161,8 +173,7 @@ class Task {
     const auto* q = reinterpret_cast<const uint32_t*>(c_.q);
     std::memset(qt_, 0, sizeof(uint32_t) * (c_.dim / 32) * 16 * 16);
     for (int n = 0; n < cols_; ++n) {
-      const int64_t head = kv_ * c_.group + (first_col_ + n) % c_.group;
-      const uint32_t* qn = q + (row(n) * c_.heads + head) * c_.dim / 2;
+      const uint32_t* qn = q + (row(n) * c_.heads + head(n)) * c_.dim / 2;
       for (int64_t pair = 0; pair < c_.dim / 2; ++pair) qt_[pair / 16][pair % 16][n] = qn[pair];
     }
   }
@@ -334,8 +345,8 @@ class Task {
   std::vector<float>& scores_;
   std::vector<uint16_t>& p_;
   int64_t from_[kCols], to_[kCols], lo_ = 0, hi_ = 0;
-  std::vector<Pass> passes_;        // every chunk's passes, chunk after chunk
-  std::vector<size_t> chunks_;      // where each chunk's passes start in passes_, then their end
+  std::vector<Pass>& passes_;
+  std::vector<size_t>& chunks_;
   alignas(64) uint32_t qt_[kMaxVecs / 2][16][16];
   alignas(64) uint16_t stage_[16 * 256];
 };
@@ -348,10 +359,9 @@ void attend_tiles(const Call& call, int64_t tiles, at::BFloat16* out) {
   // the keys the rows share)
   at::parallel_for(0, 2 * per_run, 1, [&](int64_t begin, int64_t end) {
     configure();
-    thread_local std::vector<float> scores;   // kept across calls: sized once, never zeroed again
-    thread_local std::vector<uint16_t> p;
+    thread_local Buffers buffers;
     for (int64_t i = begin; i < end; ++i) {
-      Task task(call, static_cast<int>(i / per_run), i % per_run / tiles, i % tiles, scores, p);
+      Task task(call, static_cast<int>(i / per_run), i % per_run / tiles, i % tiles, buffers);
       task.run<Vecs>(part.data());
     }
     _tile_release();
