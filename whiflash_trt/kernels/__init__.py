@@ -39,7 +39,7 @@ import torch.nn.functional as F
 SOURCES = [Path(__file__).with_name(name)
            for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "attention_amx.cpp", "logits.cpp",
                         "kv_prefill.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gemm_blocks.h", "amx.h", "attention.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gemm_blocks.h", "amx.h", "attention.h", "rows.h")]
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
@@ -219,6 +219,9 @@ def _register_shapes() -> None:
         return
     for op in ("whiflash::linear_bf16", "whiflash::linear_fp32"):
         torch.library.register_fake(op)(lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features))
+    torch.library.register_fake("whiflash::linear_norm_bf16")(
+        lambda x, delta, norm_weight, eps, packed, bias, out_features, silu:
+        (x.new_empty(x.shape[0], out_features), torch.empty_like(x)))
     torch.library.register_fake("whiflash::paged_attention")(
         lambda q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len, scale:
         q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
@@ -262,6 +265,28 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     if packed.dtype == torch.float32:
         return torch.ops.whiflash.linear_fp32(x, packed, bias, out_features)
     return torch.ops.whiflash.linear_bf16(x, packed, bias, out_features)
+
+
+def pack_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU's bf16 [gate; up] weight [2I, K] packed for linear_norm(silu=True): each block of 64 outputs holds
+    32 gate outputs, then the same 32 of up (I a multiple of 32)."""
+    gate, up = gate_up.detach().view(2, -1, 32, gate_up.shape[1])
+    return pack_weight(torch.stack([gate, up], dim=1).reshape(gate_up.shape))
+
+
+def linear_norm(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's norm and the GEMM after it in one call (bf16): h = x + delta (x without delta), y = linear(
+    RMSNorm(h) * norm_weight) [M, out_features] -> (y, h). With `silu`, packed is pack_gate_up's and y the SwiGLU
+    of its gate and up outputs. Without norm_weight (and delta), y = linear(x). Rounds as the torch modules do
+    (kernels/rows.h)."""
+    return torch.ops.whiflash.linear_norm_bf16(x, delta, norm_weight, eps, packed, bias, out_features, silu)
+
+
+def swiglu(x: torch.Tensor, gate_up_packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """silu(x gate^T) * (x up^T) [M, out_features] over pack_gate_up's weight, in one call (bf16)."""
+    return linear_norm(x, None, None, 0.0, gate_up_packed, None, out_features, silu=True)[0]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

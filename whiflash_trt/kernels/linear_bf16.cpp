@@ -48,6 +48,7 @@
 
 #include "amx.h"
 #include "gemm_blocks.h"
+#include "rows.h"
 
 namespace {
 
@@ -171,44 +172,97 @@ void configure_tiles(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-void amx_block(const uint16_t* x, int64_t ldx, int rows, const int32_t* w, int64_t pairs, const float* bias,
-               uint16_t* y, int64_t ldy, int64_t cols) {
+// Tiles C 0 .. Tiles-1: the block's outputs 16 (first + t) .. + 15, t < Tiles, for `rows` rows of x. The weight's
+// step of 16 pairs is 4 KB, 64-byte line 4 p + j holding pair p of outputs 16 j .. 16 j + 15: a thread that owns
+// some of a block's outputs reads (and prefetches) their lines only.
+template <int Tiles>
+void amx_block(const uint16_t* x, int64_t ldx, int rows, const int32_t* w, int64_t pairs, int first,
+               const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
   constexpr int64_t wstride = kBlock * sizeof(int32_t);
   const int64_t xstride = ldx * sizeof(uint16_t);
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const int32_t* wj = w + 16 * first;
+  _tile_zero(0);
+  if constexpr (Tiles > 1) _tile_zero(1);
+  if constexpr (Tiles > 2) _tile_zero(2);
+  if constexpr (Tiles > 3) _tile_zero(3);
   for (int64_t k = 0; k < pairs; k += kAmxPairs) {
-    const int32_t* wk = w + k * kBlock;
-    for (int line = 0; line < kAmxPairs * 4; ++line)   // this step's 4 KB of the block, two steps ahead, to L1
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 8192 + 64 * line, _MM_HINT_T0);
+    const char* ahead = reinterpret_cast<const char*>(wj + k * kBlock) + 8192;   // two steps ahead, to L1
+    for (int p = 0; p < kAmxPairs; ++p)
+      for (int t = 0; t < Tiles; ++t) _mm_prefetch(ahead + wstride * p + 64 * t, _MM_HINT_T0);
+    const int32_t* wk = wj + k * kBlock;
     _tile_loadd(4, x + 2 * k, xstride);
     _tile_loadd(5, wk, wstride);
-    _tile_loadd(6, wk + 16, wstride);
+    if constexpr (Tiles > 1) _tile_loadd(6, wk + 16, wstride);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(7, wk + 32, wstride);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, wk + 48, wstride);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_dpbf16ps(3, 4, 5);
+    if constexpr (Tiles > 2) _tile_loadd(7, wk + 32, wstride);
+    if constexpr (Tiles > 1) _tile_dpbf16ps(1, 4, 6);
+    if constexpr (Tiles > 3) _tile_loadd(5, wk + 48, wstride);
+    if constexpr (Tiles > 2) _tile_dpbf16ps(2, 4, 7);
+    if constexpr (Tiles > 3) _tile_dpbf16ps(3, 4, 5);
   }
-  alignas(64) float out[4][kAmxRows * 16];
-  _tile_stored(0, out[0], 64); _tile_stored(1, out[1], 64); _tile_stored(2, out[2], 64); _tile_stored(3, out[3], 64);
+  alignas(64) float out[Tiles][kAmxRows * 16];
+  _tile_stored(0, out[0], 64);
+  if constexpr (Tiles > 1) _tile_stored(1, out[1], 64);
+  if constexpr (Tiles > 2) _tile_stored(2, out[2], 64);
+  if constexpr (Tiles > 3) _tile_stored(3, out[3], 64);
   whiflash::tile_memory_fence();
-  store_block(rows, [&](int r, int j) { return _mm512_load_ps(out[j] + r * 16); }, bias, y, ldy, cols);
+  store_block(rows, [&](int r, int j) { return _mm512_load_ps(out[j] + r * 16); }, bias ? bias + 16 * first : nullptr,
+              y + 16 * first, ldy, std::min<int64_t>(cols - 16 * first, 16 * Tiles));
 }
 
-// y = x W^T over every block with AMX: blocks spread over the threads, each walking its blocks for every tile of
-// rows (a thread configures its tiles per tile height and releases them at the end)
-void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* w, int64_t pairs, int64_t blocks,
-                const float* bias, uint16_t* y, int64_t out_features) {
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+using AmxBlockFn = void (*)(const uint16_t*, int64_t, int, const int32_t*, int64_t, int, const float*, uint16_t*,
+                            int64_t, int64_t);
+constexpr AmxBlockFn kAmxBlocks[4] = {amx_block<1>, amx_block<2>, amx_block<3>, amx_block<4>};
+
+// What linear_norm_bf16 folds into the GEMM (rows.h); nothing for linear_bf16
+struct Fused {
+  const uint16_t* delta = nullptr;   // a residual added to x first
+  const uint16_t* norm = nullptr;    // an RMSNorm weight: the GEMM's input is RMSNorm(x + delta) * norm
+  float eps = 0;
+  uint16_t* h = nullptr;             // where x + delta goes
+  bool silu = false;                 // each packed block holds 32 gate then 32 up outputs: y is SwiGLU(gate, up)
+};
+
+// y = x W^T over every block with AMX. The threads split the outputs in runs of whole 16-output tiles, not whole
+// blocks: 9 blocks (576 outputs) give each of 2 threads 4.5 blocks, not 5 and 4 (SwiGLU: whole blocks, its gate
+// and up outputs together). Each thread walks its part of each block for every tile of rows (it configures its
+// tiles per tile height and releases them at the end); which thread computes an output changes none of its bits.
+// With a norm, every thread normalises all the rows into a buffer of its own first (~1 us for 16 rows of 576): no
+// serial pass, no barrier; the one that starts at output 0 writes h.
+void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* w, int64_t pairs, const float* bias,
+                uint16_t* y, int64_t out_features, const Fused& f) {
+  constexpr int64_t kTilesPerBlock = kBlock / 16;
+  const int64_t columns = f.silu ? 2 * out_features : out_features, unit = f.silu ? kTilesPerBlock : 1;
+  at::parallel_for(0, (columns + 16 * unit - 1) / (16 * unit), 1, [&](int64_t begin_unit, int64_t end_unit) {
+    const int64_t begin = begin_unit * unit, end = std::min(end_unit * unit, (columns + 15) / 16);
+    const uint16_t* in = x;
+    int64_t ld = ldx;
+    if (f.norm) {
+      thread_local std::vector<uint16_t> normed;
+      normed.resize(rows * 2 * pairs);
+      whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, 2 * pairs, begin == 0 ? f.h : nullptr,
+                               normed.data());
+      in = normed.data(), ld = 2 * pairs;
+    }
+    alignas(64) uint16_t gate_up[kAmxRows][kBlock];
     int configured = 0;
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t col = blk * kBlock, cols = std::min(kBlock, out_features - col);
+    for (int64_t blk = begin / kTilesPerBlock; blk * kTilesPerBlock < end; ++blk) {
+      const int64_t col = blk * kBlock, cols = std::min(kBlock, columns - col);
+      const int first = static_cast<int>(std::max<int64_t>(begin - blk * kTilesPerBlock, 0));
+      const int last = static_cast<int>(std::min<int64_t>(end - blk * kTilesPerBlock, kTilesPerBlock));
       for (int64_t r = 0; r < rows; r += kAmxRows) {
         const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r));
         if (n != configured) configure_tiles(n), configured = n;
-        amx_block(x + r * ldx, ldx, n, w + blk * pairs * kBlock, pairs, bias ? bias + col : nullptr,
-                  y + r * out_features + col, out_features, cols);
+        const int32_t* wb = w + blk * pairs * kBlock;
+        const float* bb = bias ? bias + col : nullptr;
+        if (!f.silu) {
+          kAmxBlocks[last - first - 1](in + r * ld, ld, n, wb, pairs, first, bb, y + r * out_features + col,
+                                       out_features, cols);
+          continue;
+        }
+        amx_block<4>(in + r * ld, ld, n, wb, pairs, 0, bb, gate_up[0], kBlock, kBlock);
+        for (int i = 0; i < n; ++i)
+          whiflash::silu_mul32(gate_up[i], gate_up[i] + 32, y + (r + i) * out_features + col / 2);
       }
     }
     if (configured) _tile_release();
@@ -237,47 +291,101 @@ void widen(const uint16_t* from, float* to, int64_t n) {
   }
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_bf16: x must be [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kBlock,
-              "linear_bf16: packed must be [N/64, K/2, 64] int32 (kernels.pack_weight)");
-  const int64_t rows = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
-  TORCH_CHECK(x.size(1) == 2 * pairs, "linear_bf16: x has ", x.size(1), " features, the weight ", 2 * pairs);
-  TORCH_CHECK(out_features > (blocks - 1) * kBlock && out_features <= blocks * kBlock,
-              "linear_bf16: out_features does not match the packed weight");
-  const at::Tensor xb = x.contiguous();
-  at::Tensor pc = packed.contiguous();
-  at::Tensor kept;
-  const float* bp = whiflash::checked_bias(bias, out_features, kept, "linear_bf16");
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const int32_t* wp = pc.data_ptr<int32_t>();
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t ldx = xb.size(1);
+void check_weight(const at::Tensor& packed, int64_t in_features, int64_t columns, const char* op) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kBlock, op,
+              ": packed must be [N/64, K/2, 64] int32 (kernels.pack_weight)");
+  TORCH_CHECK(in_features == 2 * packed.size(1), op, ": x has ", in_features, " features, the weight ",
+              2 * packed.size(1));
+  TORCH_CHECK(columns > (packed.size(0) - 1) * kBlock && columns <= packed.size(0) * kBlock, op,
+              ": out_features does not match the packed weight");
+}
+
+// y [rows, columns] = x W^T (+ bias) on the process's loop; x [rows, ldx] bf16
+void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const at::Tensor& packed, const float* bias, uint16_t* y,
+          int64_t columns) {
+  const int32_t* wp = packed.data_ptr<int32_t>();
+  const int64_t pairs = packed.size(1);
   const int64_t variant = g_variant.load(std::memory_order_relaxed);
-  if (variant == kAmx && amx_supported(pairs)) {
-    amx_linear(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), ldx, rows, wp, pairs, blocks, bp, yp,
-               out_features);
-    return y;
-  }
+  if (variant == kAmx && amx_supported(pairs)) return amx_linear(x, ldx, rows, wp, pairs, bias, y, columns, Fused{});
   const bool dot = variant != kFma;
   // FMA: x widened to fp32 here (exact), not by aten: a dispatch and an allocation per call cost ~2.5 us, 121 calls
   // a step. DOT reads the bf16 pairs as they are.
-  std::vector<float> xf(dot ? 0 : rows * xb.size(1));
-  if (!dot)
-    widen(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), xf.data(), static_cast<int64_t>(xf.size()));
-  const char* xp = dot ? reinterpret_cast<const char*>(xb.data_ptr<at::BFloat16>())
-                       : reinterpret_cast<const char*>(xf.data());
-  const int64_t x_row_bytes = xb.size(1) * (dot ? 2 : 4);
+  std::vector<float> xf(dot ? 0 : rows * ldx);
+  if (!dot) widen(x, xf.data(), static_cast<int64_t>(xf.size()));
+  const char* xp = dot ? reinterpret_cast<const char*>(x) : reinterpret_cast<const char*>(xf.data());
+  const int64_t x_row_bytes = ldx * (dot ? 2 : 4);
   const Loops& loops = dot ? kDotLoops : kFmaLoops;
-  whiflash::for_each_tile(out_features, kBlock, rows, kTileRows, kPairRows, [&](int64_t blk, int64_t count,
-                                                                                 int64_t col, int64_t cols, int64_t r,
-                                                                                 int64_t n) {
+  whiflash::for_each_tile(columns, kBlock, rows, kTileRows, kPairRows, [&](int64_t blk, int64_t count, int64_t col,
+                                                                           int64_t cols, int64_t r, int64_t n) {
     const BlockFn fn = count == 2 ? loops.pair : loops.rows[n - 1];
-    fn(xp + r * x_row_bytes, ldx, wp + blk * pairs * kBlock, pairs, bp ? bp + col : nullptr,
-       yp + r * out_features + col, out_features, cols);
+    fn(xp + r * x_row_bytes, ldx, wp + blk * pairs * kBlock, pairs, bias ? bias + col : nullptr, y + r * columns + col,
+       columns, cols);
   });
+}
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bits_out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_bf16: x must be [M, K] bf16");
+  check_weight(packed, x.size(1), out_features, "linear_bf16");
+  const at::Tensor xb = x.contiguous(), pc = packed.contiguous();
+  at::Tensor kept;
+  const float* bp = whiflash::checked_bias(bias, out_features, kept, "linear_bf16");
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  gemm(bits(xb), xb.size(1), x.size(0), pc, bp, bits_out(y), out_features);
   return y;
+}
+
+// (y, h): h = x + delta (x itself, copied, without delta), y = RMSNorm(h) * norm_weight W^T (+ bias), or x W^T
+// without a norm weight (then without delta); with `silu`, W's blocks hold 32 gate then 32 up outputs each
+// (kernels.pack_gate_up) and y = SwiGLU(gate, up) [M, out_features]. One call per norm and GEMM of a layer: rows.h.
+std::tuple<at::Tensor, at::Tensor> linear_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
+                                                    const c10::optional<at::Tensor>& norm_weight, double eps,
+                                                    const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                                                    int64_t out_features, bool silu) {
+  const char* op = "linear_norm_bf16";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [M, K] bf16");
+  const int64_t rows = x.size(0), k = x.size(1), columns = silu ? 2 * out_features : out_features;
+  TORCH_CHECK(!delta.has_value() || (delta->scalar_type() == at::kBFloat16 && delta->sizes() == x.sizes()), op,
+              ": delta must be bf16 shaped as x");
+  TORCH_CHECK(norm_weight.has_value() || !delta.has_value(), op, ": a delta needs a norm_weight");
+  TORCH_CHECK(!norm_weight.has_value() || (norm_weight->scalar_type() == at::kBFloat16 && norm_weight->numel() == k),
+              op, ": norm_weight must be bf16 with K elements");
+  TORCH_CHECK(!silu || out_features % 32 == 0, op, ": SwiGLU needs out_features a multiple of 32");
+  check_weight(packed, k, columns, op);
+  const at::Tensor xb = x.contiguous(), pc = packed.contiguous();
+  const at::Tensor nw = norm_weight.has_value() ? norm_weight->contiguous() : at::Tensor();
+  const at::Tensor db = delta.has_value() ? delta->contiguous() : at::Tensor();
+  at::Tensor kept;
+  const float* bp = whiflash::checked_bias(bias, columns, kept, op);
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  at::Tensor h = delta.has_value() ? at::empty_like(xb) : xb.clone();
+  Fused f{db.defined() ? bits(db) : nullptr, nw.defined() ? bits(nw) : nullptr, static_cast<float>(eps),
+          db.defined() ? bits_out(h) : nullptr, silu};
+  if (g_variant.load(std::memory_order_relaxed) == kAmx && amx_supported(pc.size(1))) {
+    amx_linear(bits(xb), k, rows, pc.data_ptr<int32_t>(), pc.size(1), bp, bits_out(y), out_features, f);
+    return {y, h};
+  }
+  // the other loops: the rows normalised once, then the GEMM, then SwiGLU over its [gate | up] blocks
+  std::vector<uint16_t> normed(f.norm ? rows * k : 0);
+  if (f.norm) whiflash::normalize_rows(bits(xb), f.delta, f.norm, f.eps, 0, rows, k, f.h, normed.data());
+  const uint16_t* in = f.norm ? normed.data() : bits(xb);
+  if (!silu) {
+    gemm(in, k, rows, pc, bp, bits_out(y), columns);
+    return {y, h};
+  }
+  std::vector<uint16_t> gate_up(rows * columns);
+  gemm(in, k, rows, pc, bp, gate_up.data(), columns);
+  uint16_t* yp = bits_out(y);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t c = 0; c < columns; c += kBlock)
+        whiflash::silu_mul32(gate_up.data() + r * columns + c, gate_up.data() + r * columns + c + 32,
+                             yp + r * out_features + c / 2);
+  });
+  return {y, h};
 }
 
 // The inner loop of every later call in this process (0 FMA, 1 DOT, 2 AMX); returns the previous one.
@@ -296,6 +404,8 @@ bool whiflash::amx_selected() { return g_variant.load(std::memory_order_relaxed)
 
 TORCH_LIBRARY(whiflash, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_norm_bf16(Tensor x, Tensor? delta, Tensor? norm_weight, float eps, Tensor packed, Tensor? bias, "
+        "int out_features, bool silu) -> (Tensor, Tensor)");
   m.def("set_gemm_variant(int variant) -> int", &set_gemm_variant);
   m.def("gemm_variant() -> int", &gemm_variant);
   m.def("amx_usable() -> bool", &amx_permitted);
@@ -303,5 +413,6 @@ TORCH_LIBRARY(whiflash, m) {
 
 TORCH_LIBRARY_IMPL(whiflash, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_norm_bf16", &linear_norm_bf16);
 }
 

@@ -94,19 +94,28 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up: FrozenLinear | None = None  # set by fuse(), with self.down
+        self.gate_up: FrozenLinear | None = None   # set by fuse(), with self.down; or instead:
+        self.gate_up_packed: torch.Tensor | None = None   # [gate; up] for the kernels' SwiGLU (kernels.swiglu)
 
     def fuse(self, use_kernels: bool = True) -> None:
-        """One [gate; up] matrix; gate/up_proj become views into it (names and state_dict unchanged)."""
+        """One [gate; up] matrix; gate/up_proj become views into it (names and state_dict unchanged). On the
+        kernels (bf16), SwiGLU itself runs in the GEMM: one call, no [T, 2I] intermediate."""
         fused = k_major(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         self.down_proj.weight = nn.Parameter(k_major(self.down_proj.weight), requires_grad=False)
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
-        self.gate_up = FrozenLinear(fused, use_kernel=use_kernels)
+        if use_kernels and kernels.registered() and fused.dtype == torch.bfloat16 and n % 32 == 0 \
+                and kernels.supports(fused):
+            self.gate_up_packed = kernels.pack_gate_up(fused)
+        else:
+            self.gate_up = FrozenLinear(fused, use_kernel=use_kernels)
         self.down = FrozenLinear(self.down_proj.weight, use_kernel=use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_packed is not None:
+            rows = kernels.swiglu(x.reshape(-1, x.shape[-1]), self.gate_up_packed, self.gate_proj.weight.shape[0])
+            return self.down(rows.view(*x.shape[:-1], -1))
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up(x).chunk(2, dim=-1)

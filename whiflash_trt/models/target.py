@@ -55,12 +55,17 @@ class Attention(nn.Module):
     def project(self, x, cos, sin):
         """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
         RoPE (cos/sin broadcast over the heads)."""
-        lead = x.shape[:-1]
         if self.qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            kv = self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv(x).split([self.num_heads * self.head_dim, kv, kv], -1)
+            return self.heads(x.shape[:-1], self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+        return self.heads(x.shape[:-1], *self.split(self.qkv(x)), cos, sin)
+
+    def split(self, qkv: torch.Tensor) -> list[torch.Tensor]:
+        """The fused projection's output [..., (heads + 2 kv_heads) * head_dim] -> q, k, v"""
+        kv = self.num_kv_heads * self.head_dim
+        return qkv.split([self.num_heads * self.head_dim, kv, kv], -1)
+
+    def heads(self, lead, q, k, v, cos, sin):
+        """project's second half: q, k, v [*lead, ...] -> per head, normed (Qwen3) and rotated"""
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
@@ -87,6 +92,28 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, layer, write_slots, keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def on_kernels(self) -> bool:
+        """Both norms can run inside the GEMMs after them (forward_residual): bf16 weights on the kernels."""
+        attn, mlp = self.self_attn, self.mlp
+        return (attn.qkv is not None and attn.qkv.kernel_weight is not None and mlp.gate_up_packed is not None
+                and attn.qkv.kernel_weight.dtype == torch.int32 and self.input_layernorm.weight.dtype == torch.bfloat16)
+
+    def forward_residual(self, h, delta, cos, sin, k_cache, v_cache, layer: int, write_slots,
+                         keys: KeyLayout | RowKeys):
+        """forward with the residual stream x = h + delta kept as its two terms [T, H] (delta None: x = h), so each
+        norm runs in the GEMM after it with the residual add before it (kernels.linear_norm) -> the (h, delta) of
+        the output. The same roundings as forward."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, h = kernels.linear_norm(h, delta, norm.weight, norm.eps, attn.qkv.kernel_weight, attn.qkv.kernel_bias,
+                                     attn.qkv.weight.shape[0])
+        out = keys.attend(*attn.heads(h.shape[:-1], *attn.split(qkv), cos, sin), k_cache, v_cache, layer, write_slots,
+                          attn.scale)
+        norm = self.post_attention_layernorm
+        act, h = kernels.linear_norm(h, attn.o(out), norm.weight, norm.eps, mlp.gate_up_packed, None,
+                                     mlp.gate_proj.weight.shape[0], silu=True)
+        return h, mlp.down(act)
+
 
 class TargetModel(nn.Module, Target):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -101,6 +128,7 @@ class TargetModel(nn.Module, Target):
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.head: FrozenLinear | None = None  # the lm_head, set by fuse_projections
         self.kernel_attention = False          # set by fuse_projections
+        self.norms_on_kernels = False          # the layers' forward_residual: set by fuse_projections
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,6 +156,7 @@ class TargetModel(nn.Module, Target):
         self.lm_head.weight = head
         self.head = FrozenLinear(head, use_kernel=use_kernels)
         self.kernel_attention = use_kernels and kernels.registered()
+        self.norms_on_kernels = self.kernel_attention and all(layer.on_kernels() for layer in self.layers)
 
     def forward(
         self,
@@ -160,10 +189,16 @@ class TargetModel(nn.Module, Target):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         captured = []
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache, v_cache, i, write_slots, keys)
+            if self.norms_on_kernels:
+                x, delta = layer.forward_residual(x, delta, cos, sin, k_cache, v_cache, i, write_slots, keys)
+            else:
+                x = layer(x, cos, sin, k_cache, v_cache, i, write_slots, keys)
             if i in capture_layers:
-                captured.append((capture_layers.index(i), x))
+                captured.append((capture_layers.index(i), x if delta is None else x + delta))
+        if delta is not None:
+            x = x + delta
         rows = x if logits_indices is None else x.index_select(0, logits_indices)
         hidden = self.norm(rows)
         logits = self.head(hidden) if self.head is not None else row_linear(hidden, self.lm_head.weight)
