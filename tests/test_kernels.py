@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from whiflash_trt import kernels
-from whiflash_trt.models.layers import FrozenLinear
+from whiflash_trt.models.layers import FrozenLinear, RMSNorm
 
 pytestmark = pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine "
                                 "(no AVX-512 BF16 or no C++ compiler: conftest printed why)")
@@ -73,6 +73,65 @@ def test_kernel_rows_do_not_depend_on_the_call(gemm, out_features, in_features, 
             assert torch.equal(shifted, alone[37 - rows:]), f"the last {rows} rows differ from the rows alone"
     finally:
         torch.set_num_threads(before)
+
+
+def norm_case(rows: int, seed: int = 0):
+    """x, delta [rows, 576] bf16, a bf16 RMSNorm over 576 and a [gate; up] weight [2 x 1536, 576]"""
+    g = torch.Generator().manual_seed(seed)
+    x, delta = (torch.randn(2, rows, 576, generator=g) * 2).bfloat16()
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=g) + 0.5
+    return x, delta, norm.bfloat16(), (torch.randn(3072, 576, generator=g) * 0.05).bfloat16()
+
+
+def test_linear_norm_adds_normalises_and_projects_as_the_modules_do(gemm):
+    x, delta, norm, w = norm_case(19)
+    y, h = kernels.linear_norm(x, delta, norm.weight, norm.eps, kernels.pack_weight(w), None, 3072)
+    assert torch.equal(h, x + delta)   # the residual add: one bf16 rounding, as in the decoder layer
+    want = kernels.linear(norm(x + delta), kernels.pack_weight(w), None, 3072)
+    # the sum of squares is ordered otherwise than torch's: a norm may differ in its last bit, rarely
+    assert (y == want).float().mean() > 0.99 and torch.allclose(y.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    alone, h_alone = kernels.linear_norm(x, None, norm.weight, norm.eps, kernels.pack_weight(w), None, 3072)
+    assert torch.equal(h_alone, x) and h_alone.data_ptr() != x.data_ptr()   # no delta: h is x, a tensor of its own
+
+
+def test_linear_norm_swiglu_equals_silu_of_its_gate_and_up_to_the_bit(gemm):
+    x, delta, norm, w = norm_case(19)
+    gate_up, _ = kernels.linear_norm(x, delta, norm.weight, norm.eps, kernels.pack_weight(w), None, 3072)
+    gate, up = gate_up.chunk(2, -1)
+    fused, _ = kernels.linear_norm(x, delta, norm.weight, norm.eps, kernels.pack_gate_up(w), None, 1536, silu=True)
+    assert torch.equal(fused, F.silu(gate) * up)
+    plain = kernels.linear(x, kernels.pack_weight(w), None, 3072).chunk(2, -1)
+    assert torch.equal(kernels.swiglu(x, kernels.pack_gate_up(w), 1536), F.silu(plain[0]) * plain[1])
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("silu", [False, True])
+def test_linear_norm_rows_do_not_depend_on_the_call(gemm, num_threads, silu):
+    x, delta, norm, w = norm_case(37)
+    packed = kernels.pack_gate_up(w) if silu else kernels.pack_weight(w)
+    out = 1536 if silu else 3072
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        alone = [kernels.linear_norm(x[i:i + 1], delta[i:i + 1], norm.weight, norm.eps, packed, None, out, silu)
+                 for i in range(37)]
+        for rows in (2, 5, 16, 37):
+            y, h = kernels.linear_norm(x[:rows], delta[:rows], norm.weight, norm.eps, packed, None, out, silu)
+            assert torch.equal(y, torch.cat([a[0] for a in alone[:rows]])), f"{rows} rows differ from the rows alone"
+            assert torch.equal(h, torch.cat([a[1] for a in alone[:rows]]))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_linear_norm_rejects_what_it_cannot_compute():
+    x, delta, norm, w = norm_case(2)
+    with pytest.raises(RuntimeError, match="a delta needs a norm_weight"):
+        kernels.linear_norm(x, delta, None, 1e-5, kernels.pack_weight(w), None, 3072)
+    with pytest.raises(RuntimeError, match="norm_weight must be bf16 with K elements"):
+        kernels.linear_norm(x, delta, norm.weight[:100], 1e-5, kernels.pack_weight(w), None, 3072)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.linear_norm(x, None, None, 0.0, kernels.pack_weight(w[:2 * 1000]), None, 1000, silu=True)
 
 
 def test_frozen_linear_runs_on_the_kernel_only_when_asked():
