@@ -3,12 +3,14 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "simd.h"
 
@@ -73,15 +75,27 @@ void merge(const Partial<Vecs>& a, const Partial<Vecs>* b, int64_t dim, T* out) 
   }
 }
 
-// Both runs of every row: part[(run * rows + t) * heads + h], merged into out [rows, heads, dim]
+// Both runs of every row: part[(run * rows + t) * heads + h], merged into out [rows, heads, dim]; the rows of a
+// call of 8 or more spread over the threads
 template <typename T, int Vecs>
 void merge_runs(const Partial<Vecs>* part, const int64_t* len, int64_t rows, int64_t heads, int64_t dim, T* out) {
-  for (int64_t t = 0; t < rows; ++t) {
-    const bool two = split_at(len[t]) < len[t];
-    for (int64_t h = 0; h < heads; ++h)
-      merge<T, Vecs>(part[t * heads + h], two ? &part[(rows + t) * heads + h] : nullptr, dim,
-                     out + (t * heads + h) * dim);
-  }
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const bool two = split_at(len[t]) < len[t];
+      for (int64_t h = 0; h < heads; ++h)
+        merge<T, Vecs>(part[t * heads + h], two ? &part[(rows + t) * heads + h] : nullptr, dim,
+                       out + (t * heads + h) * dim);
+    }
+  });
+}
+
+// The calling thread's buffer of a call's partial results, n of them at least: kept across calls, not zeroed (each
+// partial a row reads is written first)
+template <int Vecs>
+Partial<Vecs>* partials(int64_t n) {
+  thread_local std::vector<Partial<Vecs>> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
 }
 
 // The AMX path (attention_amx.cpp): bf16 heads of a multiple of 64 dims, where amx_selected()

@@ -353,7 +353,7 @@ class Task {
 
 template <int Vecs>
 void attend_tiles(const Call& call, int64_t tiles, at::BFloat16* out) {
-  std::vector<Partial<Vecs>> part(2 * call.rows * call.heads);
+  Partial<Vecs>* part = partials<Vecs>(2 * call.rows * call.heads);
   const int64_t per_run = call.pool->kv_heads * tiles;
   // task i: run i / per_run, KV head, column tile (the first runs first: with two threads, each reads one half of
   // the keys the rows share)
@@ -362,11 +362,11 @@ void attend_tiles(const Call& call, int64_t tiles, at::BFloat16* out) {
     thread_local Buffers buffers;
     for (int64_t i = begin; i < end; ++i) {
       Task task(call, static_cast<int>(i / per_run), i % per_run / tiles, i % tiles, buffers);
-      task.run<Vecs>(part.data());
+      task.run<Vecs>(part);
     }
     _tile_release();
   });
-  merge_runs<at::BFloat16, Vecs>(part.data(), call.len, call.rows, call.heads, call.dim, out);
+  merge_runs<at::BFloat16, Vecs>(part, call.len, call.rows, call.heads, call.dim, out);
 }
 
 }  // namespace

@@ -272,7 +272,7 @@ void attend(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots,
   T* op = out.data_ptr<T>();
   // task i: run i / rows of row i % rows, every KV head (the first runs of all rows, then the second runs: with two
   // threads, each reads one half of the keys the rows share)
-  std::vector<Partial<Vecs>> part(2 * rows * heads);
+  Partial<Vecs>* part = whiflash::partials<Vecs>(2 * rows * heads);
   at::parallel_for(0, 2 * rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * width);
     for (int64_t i = begin; i < end; ++i) {
@@ -281,10 +281,10 @@ void attend(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots,
       for (int64_t kv = 0; to > from && kv < kv_heads; ++kv)
         attend_group<T, Vecs>(qp + (t * heads + kv * group) * dim, group, kp + kv * dim, vp + kv * dim,
                               pool.slot_stride, sp + t * width + from, to - from, dim, static_cast<float>(scale),
-                              scores.data(), width, part.data() + i * heads + kv * group);
+                              scores.data(), width, part + i * heads + kv * group);
     }
   });
-  merge_runs<T, Vecs>(part.data(), lp, rows, heads, dim, op);
+  merge_runs<T, Vecs>(part, lp, rows, heads, dim, op);
 }
 
 template <typename T>
@@ -345,16 +345,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   write_rows(pool.k, pool, k, write);
   write_rows(pool.v, pool, v, write);
   at::Tensor qc = q.contiguous(), slots = row_slots.contiguous(), len = row_len.contiguous();
-  // every key a row reads lies in the pool (a plain loop over the visible slots: ~1 ns per key, where aten
-  // reductions cost microseconds per layer)
-  const int64_t width = slots.size(1), pool_slots = pool.slots;
+  // every key a row reads lies in the pool: 8 slots per unsigned compare (a negative slot compares as a huge one);
+  // aten reductions would cost microseconds per layer
+  const int64_t width = slots.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = len.data_ptr<int64_t>();
+  const __m512i limit = _mm512_set1_epi64(pool.slots);
   for (int64_t t = 0; t < len.numel(); ++t) {
     TORCH_CHECK(lp[t] >= 1 && lp[t] <= width, "paged_attention: every row sees between 1 and W keys");
-    bool inside = true;
-    for (int64_t j = 0; j < lp[t]; ++j) inside &= sp[t * width + j] >= 0 && sp[t * width + j] < pool_slots;
-    TORCH_CHECK(inside, "paged_attention: a read slot is outside the pool");
+    __mmask8 outside = 0;
+    for (int64_t j = 0; j < lp[t]; j += 8) {
+      const __mmask8 m = lp[t] - j >= 8 ? 0xFF : static_cast<__mmask8>((1u << (lp[t] - j)) - 1);
+      outside |= _mm512_mask_cmpge_epu64_mask(m, _mm512_maskz_loadu_epi64(m, sp + t * width + j), limit);
+    }
+    TORCH_CHECK(outside == 0, "paged_attention: a read slot is outside the pool");
   }
   at::Tensor out = at::empty_like(qc);
   if (q.scalar_type() == at::kBFloat16 && whiflash::amx_selected() && whiflash::amx_fits(pool.dim)) {
