@@ -27,6 +27,9 @@
 // chain 128.8 -> 82.4; a 1000-token prefill 0.52x. In the engine (20 held-out prompts, 96 tokens, alternated per
 // prompt): an EAGLE-3 round 1.325x -> 1.295x an `ar` step, a DFlash round 1.267x -> 1.249x, `ar` 0.995x as fast.
 // Tasks of four column tiles sharing the keys and value pairs measured slower (1.22x and 0.91x of AVX-512 above).
+// A chunk's two score halves in tiles of their own (their loads and products overlap), the queries transposed in
+// vectors and p zeroed only outside each column's run: a 16-row chain over 300 keys (1 thread, K/V warm, 3
+// processes of each alternated) 90.5-96.5 -> 84.9-86.2 us per layer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -48,7 +51,8 @@ constexpr int kChunk = 32;   // keys per chunk: one A row of p (16 pairs)
 constexpr int kCols = 16;    // query vectors per column tile
 constexpr int kMaxVecs = 16; // head_dim / 16 at most (256 dims)
 
-// Tiles: scores C 0, keys 1 and 4, queries 2 and 3; then p 1, values 0, 2 and 3, their sums 4-7. Each 16 x 64 bytes
+// Tiles: scores C 0 and 5 (a chunk's two halves), keys 1, 4 and 6, 7, queries 2 and 3; then p 1, values 0, 2 and
+// 3, their sums 4-7. Each 16 x 64 bytes
 void configure() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -127,7 +131,18 @@ class Task {
     if (lo_ >= hi_) return;
     scores_.resize(kCols * ld_);
     p_.resize(kCols * ld_);
-    for (int n = 0; n < kCols; ++n) std::memset(p_.data() + n * ld_ + lo_, 0, (ld_ - lo_) * sizeof(uint16_t));
+    // a column's p is zero over the chunks' keys outside its run (softmax writes the rest); the columns past cols_
+    // only give C rows that are never read
+    const int64_t end = lo_ + (hi_ - lo_ + kChunk - 1) / kChunk * kChunk;
+    for (int n = 0; n < cols_; ++n) {
+      uint16_t* pn = p_.data() + n * ld_;
+      if (from_[n] >= to_[n]) {
+        std::memset(pn + lo_, 0, (end - lo_) * sizeof(uint16_t));
+        continue;
+      }
+      std::memset(pn + lo_, 0, (from_[n] - lo_) * sizeof(uint16_t));
+      std::memset(pn + to_[n], 0, (end - to_[n]) * sizeof(uint16_t));
+    }
     transpose_queries();
     if (c_.dim == 64) {   // the queries' two B tiles stay for every chunk
       tile_memory_fence();
@@ -168,13 +183,20 @@ class Task {
     return reinterpret_cast<const uint16_t*>(c_.pool->v) + slot * c_.pool->slot_stride + kv_ * c_.dim;
   }
 
-  // B tiles of the queries: qt_[dc][pair p][column n] = the n-th query's dims 32 dc + 2p, 2p + 1 (zero past cols_)
+  // B tiles of the queries: qt_[dc][pair p][column n] = the n-th query's dims 32 dc + 2p, 2p + 1 (zero past cols_):
+  // per 32 dims, the columns' 16 pairs as 16 rows of 16 int32, transposed
   void transpose_queries() {
-    const auto* q = reinterpret_cast<const uint32_t*>(c_.q);
-    std::memset(qt_, 0, sizeof(uint32_t) * (c_.dim / 32) * 16 * 16);
-    for (int n = 0; n < cols_; ++n) {
-      const uint32_t* qn = q + (row(n) * c_.heads + head(n)) * c_.dim / 2;
-      for (int64_t pair = 0; pair < c_.dim / 2; ++pair) qt_[pair / 16][pair % 16][n] = qn[pair];
+    const auto* q = reinterpret_cast<const float*>(c_.q);   // a pair of bf16 moved as one 32-bit lane
+    alignas(64) float rows[16 * 16];
+    for (int64_t dc = 0; dc < c_.dim / 32; ++dc) {
+      for (int n = 0; n < 16; ++n) {
+        const __m512 pairs = n < cols_ ? _mm512_loadu_ps(q + (row(n) * c_.heads + head(n)) * c_.dim / 2 + 16 * dc)
+                                       : _mm512_setzero_ps();
+        _mm512_store_ps(rows + 16 * n, pairs);
+      }
+      __m512 t[16];
+      transpose16(rows, t);
+      for (int pair = 0; pair < 16; ++pair) _mm512_store_ps(reinterpret_cast<float*>(qt_[dc][pair]), t[pair]);
     }
   }
 
@@ -219,55 +241,85 @@ class Task {
       for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(value(s[j])) + b, _MM_HINT_T1);
   }
 
-  // Scores of a pass's members over chunk k0, two halves of 16 keys
+  // Half h of chunk k0 of a pass (keys j0 .. j0 + 15) as an A tile: the pool's rows where the slots are 16 in a row,
+  // else gathered into stage_[h] (zero rows past the pass's end)
+  const uint16_t* keys_tile(const Pass& pass, int64_t j0, int h, int64_t& lda) {
+    const int64_t* s = slots_of(pass.leader);
+    const int64_t n = std::min<int64_t>(16, pass.end - j0);
+    bool direct = n == 16;
+    for (int i = 1; direct && i < 16; ++i) direct = s[j0 + i] == s[j0] + i;
+    if (direct) {
+      lda = c_.pool->slot_stride * sizeof(uint16_t);
+      return key(s[j0]);
+    }
+    for (int i = 0; i < 16; ++i) {
+      if (i < n) std::memcpy(stage_[h] + i * c_.dim, key(s[j0 + i]), c_.dim * sizeof(uint16_t));
+      else std::memset(stage_[h] + i * c_.dim, 0, c_.dim * sizeof(uint16_t));
+    }
+    lda = c_.dim * sizeof(uint16_t);
+    return stage_[h];
+  }
+
+  // Scores of a pass's members over chunk k0, its halves of 16 keys in C tiles 0 and 5 (at 64 dims the second
+  // half's keys in tiles 6 and 7, so its loads and products overlap the first's)
   void score(int64_t k0, const Pass& pass) {
     prefetch(pass, k0);
-    const int64_t* s = slots_of(pass.leader);
-    const int64_t stride = c_.pool->slot_stride * sizeof(uint16_t);
-    for (int64_t j0 = k0; j0 < std::min(pass.end, k0 + kChunk); j0 += 16) {
-      const int64_t n = std::min<int64_t>(16, pass.end - j0);
-      bool direct = n == 16;
-      for (int i = 1; direct && i < 16; ++i) direct = s[j0 + i] == s[j0] + i;
-      const uint16_t* a = key(s[j0]);
-      int64_t lda = stride;
-      if (!direct) {   // the keys gathered, zero rows past the last
-        for (int i = 0; i < 16; ++i) {
-          if (i < n) std::memcpy(stage_ + i * c_.dim, key(s[j0 + i]), c_.dim * sizeof(uint16_t));
-          else std::memset(stage_ + i * c_.dim, 0, c_.dim * sizeof(uint16_t));
-        }
-        a = stage_, lda = c_.dim * sizeof(uint16_t);
-      }
-      tile_memory_fence();
+    const int halves = pass.end > k0 + 16 ? 2 : 1;
+    const uint16_t* a[2];
+    int64_t lda[2];
+    for (int h = 0; h < halves; ++h) a[h] = keys_tile(pass, k0 + 16 * h, h, lda[h]);
+    alignas(64) float c[2][16 * 16];
+    tile_memory_fence();
+    if (c_.dim == 64) {   // the queries in tiles 2 and 3 (run)
       _tile_zero(0);
-      for (int64_t dc = 0; dc < c_.dim / 32; dc += 2) {   // keys in tiles 1 and 4, queries in 2 and 3
-        _tile_loadd(1, a + 32 * dc, lda);
-        _tile_loadd(4, a + 32 * dc + 32, lda);
-        if (c_.dim > 64) {   // else loaded once (run)
+      _tile_loadd(1, a[0], lda[0]);
+      _tile_loadd(4, a[0] + 32, lda[0]);
+      if (halves == 2) {
+        _tile_zero(5);
+        _tile_loadd(6, a[1], lda[1]);
+        _tile_loadd(7, a[1] + 32, lda[1]);
+      }
+      _tile_dpbf16ps(0, 1, 2);
+      if (halves == 2) _tile_dpbf16ps(5, 6, 2);
+      _tile_dpbf16ps(0, 4, 3);
+      if (halves == 2) _tile_dpbf16ps(5, 7, 3);
+      _tile_stored(0, c[0], 64);
+      if (halves == 2) _tile_stored(5, c[1], 64);
+    } else {
+      for (int h = 0; h < halves; ++h) {
+        _tile_zero(0);
+        for (int64_t dc = 0; dc < c_.dim / 32; dc += 2) {   // keys in tiles 1 and 4, queries in 2 and 3
+          _tile_loadd(1, a[h] + 32 * dc, lda[h]);
+          _tile_loadd(4, a[h] + 32 * dc + 32, lda[h]);
           _tile_loadd(2, qt_[dc], 64);
           _tile_loadd(3, qt_[dc + 1], 64);
+          _tile_dpbf16ps(0, 1, 2);
+          _tile_dpbf16ps(0, 4, 3);
         }
-        _tile_dpbf16ps(0, 1, 2);
-        _tile_dpbf16ps(0, 4, 3);
+        _tile_stored(0, c[h], 64);
       }
-      alignas(64) float c[16 * 16];
-      _tile_stored(0, c, 64);
-      tile_memory_fence();
-      const __m512 scale = _mm512_set1_ps(c_.scale);
-      if (__builtin_popcount(pass.columns) <= 4) {   // a few columns: gather them
-        const __m512i down = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
-                                                                                          9, 10, 11, 12, 13, 14, 15));
-        for (uint32_t m = pass.columns; m; m &= m - 1) {
-          const int col = __builtin_ctz(m);
-          const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(down, _mm512_set1_epi32(col)), c, 4);
-          _mm512_storeu_ps(scores_.data() + col * ld_ + j0, _mm512_mul_ps(x, scale));
-        }
-      } else {
-        __m512 t[16];
-        transpose16(c, t);
-        for (uint32_t m = pass.columns; m; m &= m - 1) {
-          const int col = __builtin_ctz(m);
-          _mm512_storeu_ps(scores_.data() + col * ld_ + j0, _mm512_mul_ps(t[col], scale));
-        }
+    }
+    tile_memory_fence();
+    for (int h = 0; h < halves; ++h) scatter(c[h], k0 + 16 * h, pass.columns);
+  }
+
+  // C [16 keys x 16 columns] of keys j0 .. j0 + 15, scaled, into the scores of each column in `columns`
+  void scatter(const float* c, int64_t j0, uint32_t columns) {
+    const __m512 scale = _mm512_set1_ps(c_.scale);
+    if (__builtin_popcount(columns) <= 4) {   // a few columns: gather them
+      const __m512i down = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                                        10, 11, 12, 13, 14, 15));
+      for (uint32_t m = columns; m; m &= m - 1) {
+        const int col = __builtin_ctz(m);
+        const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(down, _mm512_set1_epi32(col)), c, 4);
+        _mm512_storeu_ps(scores_.data() + col * ld_ + j0, _mm512_mul_ps(x, scale));
+      }
+    } else {
+      __m512 t[16];
+      transpose16(c, t);
+      for (uint32_t m = columns; m; m &= m - 1) {
+        const int col = __builtin_ctz(m);
+        _mm512_storeu_ps(scores_.data() + col * ld_ + j0, _mm512_mul_ps(t[col], scale));
       }
     }
   }
@@ -348,7 +400,7 @@ class Task {
   std::vector<Pass>& passes_;
   std::vector<size_t>& chunks_;
   alignas(64) uint32_t qt_[kMaxVecs / 2][16][16];
-  alignas(64) uint16_t stage_[16 * 256];
+  alignas(64) uint16_t stage_[2][16 * 256];
 };
 
 template <int Vecs>
