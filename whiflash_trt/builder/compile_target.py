@@ -1,15 +1,16 @@
 """`whiflash-build --backend compiled`: the target's forward exported with torch.export and compiled ahead of time by
 AOTInductor into one package the runtime loads without recompiling (runtime/backends/compiled.py).
 
-The graph is the eager forward (TargetModel.forward_keys) over the engine's kernels: the GEMMs and the paged attention
-stay custom ops (whiflash_trt/kernels), which the KV pools are written through; inductor fuses everything between
-them (norms, RoPE, SwiGLU, residuals) and drops the per-op dispatch of eager mode. One graph serves every call: the
-new rows T, the keys per row W, the logit rows and the pool slots are dynamic.
+The graph is the eager forward (TargetModel.forward_keys) over the engine's kernels: the GEMMs (with the layers'
+residual adds, RMSNorms and SwiGLU inside them: kernels.linear_norm) and the paged attention stay custom ops
+(whiflash_trt/kernels), which the KV pools are written through; inductor fuses what is left between them (RoPE, the
+final norm) and drops the per-op dispatch of eager mode. One graph serves every call: the new rows T, the keys per
+row W, the logit rows and the pool slots are dynamic.
 
-Bits: emulate_precision_casts keeps eager's bf16 roundings between ops, but inductor sums the norms' squares in its
-own order, so a compiled step can differ from the eager step in the last place. What losslessness needs holds: the
-compiled step's rows do not depend on the rest of the call (tests/test_compiled.py, chains and trees at 1 and 2
-threads), and its greedy tokens equal the eager engine's on the tests' prompts.
+Bits: emulate_precision_casts keeps eager's bf16 roundings between ops, but inductor sums the final norm's squares in
+its own order, so a compiled step's logits can differ from the eager step's in the last place. What losslessness
+needs holds: the compiled step's rows do not depend on the rest of the call (tests/test_compiled.py, chains and
+trees at 1 and 2 threads), and its greedy tokens equal the eager engine's on the tests' prompts.
 """
 from __future__ import annotations
 
