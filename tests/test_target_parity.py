@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tiny_models import load_hf_model
+from whiflash_trt import kernels
 from whiflash_trt.models.checkpoints import instantiate_target, load_hf_checkpoint
 from whiflash_trt.runtime.kv_cache import BlockAllocator, KVLayout, KVPool
 from whiflash_trt.runtime.sequence import Sequence
@@ -153,3 +154,27 @@ def test_capture_layer_out_of_range_is_refused(tiny_checkpoint):
     s = Setup(tiny_checkpoint("llama"))
     with pytest.raises(ValueError, match=r"capture layers \[3\] out of range for a 3-layer target"):
         TargetRunner(s.model, s.runner.pool, capture_layers=(0, 3))
+
+
+@pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine")
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_bf16_layers_on_the_kernels_match_the_torch_modules(tiny_checkpoint, variant):
+    """In bf16 on the kernels every layer runs forward_residual (its residual adds, norms and SwiGLU inside the
+    GEMMs: kernels.linear_norm); the torch modules' forward over the same weights gives the same logits and captured
+    layers but for a norm's last bit here and there (the sum of squares is ordered otherwise)."""
+    target = instantiate_target(load_hf_checkpoint(tiny_checkpoint(variant)), torch.bfloat16)
+    assert target.norms_on_kernels
+    cfg, t = target.config, 23
+    ids = torch.randint(0, cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for on_kernels in (True, False):
+        target.norms_on_kernels = on_kernels
+        pools = [torch.zeros(cfg.num_layers, 32, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+                 for _ in range(2)]
+        with torch.inference_mode():
+            outs.append(target(ids, torch.arange(t), *pools, torch.arange(t), torch.arange(t),
+                               torch.ones(t, t, dtype=torch.bool).tril(), capture_layers=(0, 2)))
+    fused, modules = outs
+    for got, want in ((fused.logits, modules.logits), (fused.captured, modules.captured)):
+        assert got.dtype == torch.bfloat16 and (got == want).float().mean() > 0.9
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
