@@ -130,6 +130,8 @@ def test_linear_norm_rejects_what_it_cannot_compute():
         kernels.linear_norm(x, delta, None, 1e-5, kernels.pack_weight(w), None, 3072)
     with pytest.raises(RuntimeError, match="norm_weight must be bf16 with K elements"):
         kernels.linear_norm(x, delta, norm.weight[:100], 1e-5, kernels.pack_weight(w), None, 3072)
+    with pytest.raises(RuntimeError, match="SwiGLU takes no bias"):
+        kernels.linear_norm(x, None, None, 0.0, kernels.pack_gate_up(w), torch.zeros(3072), 1536, silu=True)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.linear_norm(x, None, None, 0.0, kernels.pack_weight(w[:2 * 1000]), None, 1000, silu=True)
 

@@ -1,4 +1,6 @@
-// whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX-512 BF16 CPUs.
+// whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX-512 BF16 CPUs;
+// whiflash::linear_norm_bf16: the same GEMM with a decoder layer's residual add and RMSNorm before it and SwiGLU
+// after it (rows.h).
 //
 // Why a kernel of our own: decode and verify stream every weight once per step, and oneDNN's bf16 GEMM streams them
 // well below the machine's read bandwidth, the more so the more rows (measured on this project's Xeon, 2 threads:
@@ -227,8 +229,8 @@ struct Fused {
 // blocks: 9 blocks (576 outputs) give each of 2 threads 4.5 blocks, not 5 and 4 (SwiGLU: whole blocks, its gate
 // and up outputs together). Each thread walks its part of each block for every tile of rows (it configures its
 // tiles per tile height and releases them at the end); which thread computes an output changes none of its bits.
-// With a norm, every thread normalises all the rows into a buffer of its own first (~1 us for 16 rows of 576): no
-// serial pass, no barrier; the one that starts at output 0 writes h.
+// With a norm, every thread normalises all the rows into a buffer of its own first (no serial pass, no barrier);
+// the one that starts at output 0 writes h.
 void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* w, int64_t pairs, const float* bias,
                 uint16_t* y, int64_t out_features, const Fused& f) {
   constexpr int64_t kTilesPerBlock = kBlock / 16;
@@ -354,6 +356,7 @@ std::tuple<at::Tensor, at::Tensor> linear_norm_bf16(const at::Tensor& x, const c
   TORCH_CHECK(!norm_weight.has_value() || (norm_weight->scalar_type() == at::kBFloat16 && norm_weight->numel() == k),
               op, ": norm_weight must be bf16 with K elements");
   TORCH_CHECK(!silu || out_features % 32 == 0, op, ": SwiGLU needs out_features a multiple of 32");
+  TORCH_CHECK(!silu || !bias.has_value(), op, ": SwiGLU takes no bias (pack_gate_up reorders the outputs)");
   check_weight(packed, k, columns, op);
   const at::Tensor xb = x.contiguous(), pc = packed.contiguous();
   const at::Tensor nw = norm_weight.has_value() ? norm_weight->contiguous() : at::Tensor();

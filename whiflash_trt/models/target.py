@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
                          keys: KeyLayout | RowKeys):
         """forward with the residual stream x = h + delta kept as its two terms [T, H] (delta None: x = h), so each
         norm runs in the GEMM after it with the residual add before it (kernels.linear_norm) -> the (h, delta) of
-        the output. The same roundings as forward."""
+        the output. forward's roundings, but for the order in which a norm sums its squares (kernels/rows.h)."""
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         qkv, h = kernels.linear_norm(h, delta, norm.weight, norm.eps, attn.qkv.kernel_weight, attn.qkv.kernel_bias,
