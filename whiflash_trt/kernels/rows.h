@@ -2,8 +2,9 @@
 // adds and SwiGLU run inside the GEMMs' parallel regions instead of as serial kernels between them. On an Intel Xeon
 // with AMX (perf, 1 thread, SmolLM2 on a 300-token context) the compiled step's elementwise kernels took ~0.13 ms of
 // a decode step and ~1.5 ms of a 16-row verify, the other thread waiting through them when there are two. With
-// them folded in (2 threads, 6 processes of each alternated, medians): decode 12.37 -> 12.04 ms, a 16-row verify
-// 16.41 -> 16.01 ms; the normalisation costs ~1 us per thread for 16 rows.
+// them folded in, and the AMX GEMM's outputs split by 16-column tiles in the same change (2 threads, 6 processes of
+// each alternated, medians): decode 12.37 -> 12.04 ms, a 16-row verify 16.41 -> 16.01 ms, a 6-row one 13.70 ->
+// 13.68 ms.
 //
 // Each rounds as the torch modules it replaces (models/layers.py) do in bf16: the residual sum h = x + delta once to
 // bf16; RMSNorm as n = bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), its sum of squares in 16 fp32 lanes then reduced
