@@ -103,6 +103,8 @@ def test_linear_norm_swiglu_equals_silu_of_its_gate_and_up_to_the_bit(gemm):
     assert torch.equal(fused, F.silu(gate) * up)
     plain = kernels.linear(x, kernels.pack_weight(w), None, 3072).chunk(2, -1)
     assert torch.equal(kernels.swiglu(x, kernels.pack_gate_up(w), 1536), F.silu(plain[0]) * plain[1])
+    _, h = kernels.linear_norm(x, None, None, 0.0, kernels.pack_gate_up(w), None, 1536, silu=True)
+    assert h.shape == (0, 576)   # no norm, no residual stream: nothing copied
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])

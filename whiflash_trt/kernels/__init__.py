@@ -221,7 +221,7 @@ def _register_shapes() -> None:
         torch.library.register_fake(op)(lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features))
     torch.library.register_fake("whiflash::linear_norm_bf16")(
         lambda x, delta, norm_weight, eps, packed, bias, out_features, silu:
-        (x.new_empty(x.shape[0], out_features), torch.empty_like(x)))
+        (x.new_empty(x.shape[0], out_features), x.new_empty(0 if norm_weight is None else x.shape[0], x.shape[1])))
     torch.library.register_fake("whiflash::paged_attention")(
         lambda q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len, scale:
         q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
@@ -279,8 +279,8 @@ def linear_norm(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
                 silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's norm and the GEMM after it in one call (bf16): h = x + delta (x without delta), y = linear(
     RMSNorm(h) * norm_weight) [M, out_features] -> (y, h). With `silu`, packed is pack_gate_up's and y the SwiGLU
-    of its gate and up outputs. Without norm_weight (and delta), y = linear(x). Rounds as the torch modules do
-    (kernels/rows.h)."""
+    of its gate and up outputs. Without norm_weight (and delta), y = linear(x) and h is empty ([0, K]). Rounds as
+    the torch modules do (kernels/rows.h)."""
     return torch.ops.whiflash.linear_norm_bf16(x, delta, norm_weight, eps, packed, bias, out_features, silu)
 
 

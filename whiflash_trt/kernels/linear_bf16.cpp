@@ -302,14 +302,9 @@ void check_weight(const at::Tensor& packed, int64_t in_features, int64_t columns
               ": out_features does not match the packed weight");
 }
 
-// y [rows, columns] = x W^T (+ bias) on the process's loop; x [rows, ldx] bf16
-void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const at::Tensor& packed, const float* bias, uint16_t* y,
-          int64_t columns) {
-  const int32_t* wp = packed.data_ptr<int32_t>();
-  const int64_t pairs = packed.size(1);
-  const int64_t variant = g_variant.load(std::memory_order_relaxed);
-  if (variant == kAmx && amx_supported(pairs)) return amx_linear(x, ldx, rows, wp, pairs, bias, y, columns, Fused{});
-  const bool dot = variant != kFma;
+// The FMA and DOT loops: y [rows, columns] = x W^T (+ bias), x [rows, ldx] bf16
+void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* wp, int64_t pairs, const float* bias,
+               uint16_t* y, int64_t columns, bool dot) {
   // FMA: x widened to fp32 here (exact), not by aten: a dispatch and an allocation per call cost ~2.5 us, 121 calls
   // a step. DOT reads the bf16 pairs as they are.
   std::vector<float> xf(dot ? 0 : rows * ldx);
@@ -325,6 +320,29 @@ void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const at::Tensor& packed
   });
 }
 
+// y [rows, out_features] = x W^T (+ bias) on the process's loop, with what f folds in; x [rows, ldx] bf16. The AMX
+// loop folds it into its threads' passes; the others normalise the rows once, run the GEMM, then SwiGLU over its
+// [gate | up] blocks.
+void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const at::Tensor& packed, const float* bias, uint16_t* y,
+          int64_t out_features, const Fused& f) {
+  const int32_t* wp = packed.data_ptr<int32_t>();
+  const int64_t pairs = packed.size(1), columns = f.silu ? 2 * out_features : out_features;
+  const int64_t variant = g_variant.load(std::memory_order_relaxed);
+  if (variant == kAmx && amx_supported(pairs)) return amx_linear(x, ldx, rows, wp, pairs, bias, y, out_features, f);
+  std::vector<uint16_t> normed(f.norm ? rows * ldx : 0);
+  if (f.norm) whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, ldx, f.h, normed.data());
+  const uint16_t* in = f.norm ? normed.data() : x;
+  if (!f.silu) return loop_gemm(in, ldx, rows, wp, pairs, bias, y, columns, variant != kFma);
+  std::vector<uint16_t> gate_up(rows * columns);
+  loop_gemm(in, ldx, rows, wp, pairs, bias, gate_up.data(), columns, variant != kFma);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t c = 0; c < columns; c += kBlock)
+        whiflash::silu_mul32(gate_up.data() + r * columns + c, gate_up.data() + r * columns + c + 32,
+                             y + r * out_features + c / 2);
+  });
+}
+
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* bits_out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
@@ -336,13 +354,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   at::Tensor kept;
   const float* bp = whiflash::checked_bias(bias, out_features, kept, "linear_bf16");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  gemm(bits(xb), xb.size(1), x.size(0), pc, bp, bits_out(y), out_features);
+  gemm(bits(xb), xb.size(1), x.size(0), pc, bp, bits_out(y), out_features, Fused{});
   return y;
 }
 
 // (y, h): h = x + delta (x itself, copied, without delta), y = RMSNorm(h) * norm_weight W^T (+ bias), or x W^T
-// without a norm weight (then without delta); with `silu`, W's blocks hold 32 gate then 32 up outputs each
-// (kernels.pack_gate_up) and y = SwiGLU(gate, up) [M, out_features]. One call per norm and GEMM of a layer: rows.h.
+// without a norm weight (then without delta, and h is empty: [0, K]); with `silu`, W's blocks hold 32 gate then 32
+// up outputs each (kernels.pack_gate_up) and y = SwiGLU(gate, up) [M, out_features]. One call per norm and GEMM of a
+// layer: rows.h.
 std::tuple<at::Tensor, at::Tensor> linear_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
                                                     const c10::optional<at::Tensor>& norm_weight, double eps,
                                                     const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -364,30 +383,10 @@ std::tuple<at::Tensor, at::Tensor> linear_norm_bf16(const at::Tensor& x, const c
   at::Tensor kept;
   const float* bp = whiflash::checked_bias(bias, columns, kept, op);
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  at::Tensor h = delta.has_value() ? at::empty_like(xb) : xb.clone();
-  Fused f{db.defined() ? bits(db) : nullptr, nw.defined() ? bits(nw) : nullptr, static_cast<float>(eps),
-          db.defined() ? bits_out(h) : nullptr, silu};
-  if (g_variant.load(std::memory_order_relaxed) == kAmx && amx_supported(pc.size(1))) {
-    amx_linear(bits(xb), k, rows, pc.data_ptr<int32_t>(), pc.size(1), bp, bits_out(y), out_features, f);
-    return {y, h};
-  }
-  // the other loops: the rows normalised once, then the GEMM, then SwiGLU over its [gate | up] blocks
-  std::vector<uint16_t> normed(f.norm ? rows * k : 0);
-  if (f.norm) whiflash::normalize_rows(bits(xb), f.delta, f.norm, f.eps, 0, rows, k, f.h, normed.data());
-  const uint16_t* in = f.norm ? normed.data() : bits(xb);
-  if (!silu) {
-    gemm(in, k, rows, pc, bp, bits_out(y), columns);
-    return {y, h};
-  }
-  std::vector<uint16_t> gate_up(rows * columns);
-  gemm(in, k, rows, pc, bp, gate_up.data(), columns);
-  uint16_t* yp = bits_out(y);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t c = 0; c < columns; c += kBlock)
-        whiflash::silu_mul32(gate_up.data() + r * columns + c, gate_up.data() + r * columns + c + 32,
-                             yp + r * out_features + c / 2);
-  });
+  at::Tensor h = delta.has_value() ? at::empty_like(xb) : nw.defined() ? xb.clone() : at::empty({0, k}, x.options());
+  const Fused f{db.defined() ? bits(db) : nullptr, nw.defined() ? bits(nw) : nullptr, static_cast<float>(eps),
+                db.defined() ? bits_out(h) : nullptr, silu};
+  gemm(bits(xb), k, rows, pc, bp, bits_out(y), out_features, f);
   return {y, h};
 }
 

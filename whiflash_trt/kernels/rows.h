@@ -23,39 +23,27 @@ extern "C" __m512 Sleef_expf16_u10(__m512);   // in libtorch_cpu: the exp of at:
 
 namespace whiflash {
 
-inline __m512 widen16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m512 round_bf16(__m512 v) {   // v rounded to bf16 (nearest even), as fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-inline void store_bf16(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// Rows [first, last) of x [., k] (+ delta): h into h_out (when given), RMSNorm(h) * w into n_out; all [., k] bf16
+// Rows [first, last) of x [., k] (+ delta): h into h_out (when given), RMSNorm(h) * w into n_out; all [., k] bf16.
+// The second pass adds delta again rather than read h back (a thread that does not write h has it nowhere else).
 inline void normalize_rows(const uint16_t* x, const uint16_t* delta, const uint16_t* w, float eps, int64_t first,
                            int64_t last, int64_t k, uint16_t* h_out, uint16_t* n_out) {
   for (int64_t r = first; r < last; ++r) {
     const uint16_t* xr = x + r * k;
     const uint16_t* dr = delta ? delta + r * k : nullptr;
+    auto h = [&](int64_t j, __mmask16 m) {
+      return dr ? round_bf16(_mm512_add_ps(load16(xr + j, m), load16(dr + j, m))) : load16(xr + j, m);
+    };
     __m512 squares = _mm512_setzero_ps();
     for (int64_t j = 0; j < k; j += 16) {
       const __mmask16 m = lanes(k - j);
-      __m512 h = widen16(xr + j, m);
-      if (dr) {
-        h = round_bf16(_mm512_add_ps(h, widen16(dr + j, m)));
-        if (h_out) store_bf16(h_out + r * k + j, h, m);
-      }
-      squares = _mm512_fmadd_ps(h, h, squares);
+      const __m512 hj = h(j, m);
+      if (dr && h_out) store16(h_out + r * k + j, hj, m);
+      squares = _mm512_fmadd_ps(hj, hj, squares);
     }
-    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(k) + eps);
-    const __m512 s = _mm512_set1_ps(scale);
-    const uint16_t* hr = dr && h_out ? h_out + r * k : xr;
+    const __m512 s = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(k) + eps));
     for (int64_t j = 0; j < k; j += 16) {
       const __mmask16 m = lanes(k - j);
-      __m512 h = dr && !h_out ? round_bf16(_mm512_add_ps(widen16(xr + j, m), widen16(dr + j, m))) : widen16(hr + j, m);
-      store_bf16(n_out + r * k + j, _mm512_mul_ps(round_bf16(_mm512_mul_ps(h, s)), widen16(w + j, m)), m);
+      store16(n_out + r * k + j, _mm512_mul_ps(round_bf16(_mm512_mul_ps(h(j, m), s)), load16(w + j, m)), m);
     }
   }
 }
@@ -63,10 +51,10 @@ inline void normalize_rows(const uint16_t* x, const uint16_t* delta, const uint1
 // SwiGLU of one row's 32 outputs: y[i] = bf16(bf16(silu(g[i])) * u[i]), g and u bf16
 inline void silu_mul32(const uint16_t* g, const uint16_t* u, uint16_t* y) {
   for (int j = 0; j < 32; j += 16) {
-    const __m512 gate = widen16(g + j, 0xFFFF), up = widen16(u + j, 0xFFFF);
+    const __m512 gate = load16(g + j, 0xFFFF), up = load16(u + j, 0xFFFF);
     const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f),
                                                           Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-    store_bf16(y + j, _mm512_mul_ps(round_bf16(silu), up), 0xFFFF);
+    store16(y + j, _mm512_mul_ps(round_bf16(silu), up), 0xFFFF);
   }
 }
 

@@ -11,13 +11,19 @@ namespace whiflash {
 
 // 16 elements from p (masked past the end) as fp32
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+inline __m512 load16(const uint16_t* p, __mmask16 m) {   // bf16 bits
   __m256i bits = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) { return load16(reinterpret_cast<const uint16_t*>(p), m); }
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) {   // rounded to bf16 (nearest even)
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) { store16(reinterpret_cast<uint16_t*>(p), v, m); }
+// v rounded to bf16 (nearest even), as fp32
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 // the lanes of a 16-wide step with `left` elements to go
 inline __mmask16 lanes(int64_t left) {
