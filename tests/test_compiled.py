@@ -4,12 +4,15 @@ the eager engine; the drafters' packages compute what their modules do."""
 from __future__ import annotations
 
 import json
+import re
+import zipfile
 
 import pytest
 import torch
 
 from test_row_invariance import TREE_PARENTS, Runner, assert_rows_invariant, path_to
 
+from whiflash_trt import kernels
 from whiflash_trt.builder.build import BuildOptions
 from whiflash_trt.config import GenerationConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
@@ -30,6 +33,17 @@ def test_the_build_writes_the_package_and_kernels_and_loads_them(compiled_spec_e
     assert isinstance(compiled_spec_engine.proposers["eagle3"].model, CompiledEagle3)
     assert (compiled_spec_engine_dir / manifest["compiled"]["dflash"]["path"]).is_file()
     assert isinstance(compiled_spec_engine.proposers["dflash"].model, CompiledDFlash)
+
+
+@pytest.mark.parametrize("step", ["target", "eagle3", "dflash"])
+def test_the_packages_call_the_ops_c_shims_not_the_proxy_executor(compiled_spec_engine_dir, step):
+    """Every call of an op with a C shim (kernels.C_SHIMS) is a direct call of it in the package's generated code."""
+    manifest = json.loads((compiled_spec_engine_dir / MANIFEST).read_text())
+    with zipfile.ZipFile(compiled_spec_engine_dir / manifest["compiled"][step]["path"]) as package:
+        code = "".join(package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp"))
+    called = set(re.findall(r"AOTI_TORCH_ERROR_CODE_CHECK\(aoti_torch_cpu_(\w+)\(", code))
+    assert called & set(kernels.C_SHIMS), f"no op of {sorted(kernels.C_SHIMS)} is called directly"
+    assert "aoti_torch_proxy_executor_call_function" not in code
 
 
 def test_the_compiled_draft_step_matches_the_eager_module(compiled_spec_engine):

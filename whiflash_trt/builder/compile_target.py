@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from whiflash_trt import kernels
 from whiflash_trt.models.attention import RowKeys
 from whiflash_trt.models.target import TargetModel
 
@@ -66,7 +67,8 @@ def package(module: nn.Module, inputs: tuple, shapes: tuple, path: Path) -> floa
     start = time.perf_counter()
     with torch.no_grad():
         program = torch.export.export(module, inputs, dynamic_shapes=shapes)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs={
+            **INDUCTOR_CONFIGS, "aot_inductor.custom_ops_to_c_shims": kernels.c_shims()})
     return round(time.perf_counter() - start, 1)
 
 

@@ -24,6 +24,7 @@ CPU lacks AVX-512 BF16 or no C++ compiler is found, nothing is loaded: the linea
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 SOURCES = [Path(__file__).with_name(name)
            for name in ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "attention_amx.cpp", "logits.cpp",
                         "kv_prefill.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gemm_blocks.h", "amx.h", "attention.h", "rows.h")]
+HEADERS = [Path(__file__).with_name(name)
+           for name in ("simd.h", "gemm_blocks.h", "amx.h", "attention.h", "rows.h", "aoti_shim.h")]
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
@@ -127,6 +129,7 @@ def load(library: Path, cache_dir: Path | None = DEFAULT_CACHE) -> bool:
         return False
     if not registered():   # compile_library's build loads it too
         torch.ops.load_library(str(library))
+    _global_symbols()
     _register_shapes()
     if not _gemm_chosen:
         set_gemm(choose_gemm(cache_dir))
@@ -135,6 +138,14 @@ def load(library: Path, cache_dir: Path | None = DEFAULT_CACHE) -> bool:
 
 
 _gemm_chosen = False
+
+
+def _global_symbols() -> None:
+    """The loaded library's symbols made global (it stays the one loaded: RTLD_NOLOAD), so that a compiled step
+    finds the ops' C shims (c_shims) when its package is loaded."""
+    for path in torch.ops.loaded_libraries:
+        if Path(path).name == LIBRARY:
+            ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD | os.RTLD_NOW)
 
 
 def set_gemm(variant: str) -> str:
@@ -206,6 +217,28 @@ def measure_gemm(rows: tuple[int, ...] = (1, 8), weights: int = 8, repeats: int 
     finally:
         set_gemm(before)
     return seconds
+
+
+# The ops a compiled step calls as C functions (aoti_shim.h), as inductor declares them: their argument types follow
+# the op schemas in the order inductor passes them, the returned tensors last.
+C_SHIMS = {
+    "linear_bf16": "AOTITorchError aoti_torch_cpu_linear_bf16(AtenTensorHandle x, AtenTensorHandle packed, "
+                   "AtenTensorHandle* bias, int64_t out_features, AtenTensorHandle* y)",
+    "linear_norm_bf16": "AOTITorchError aoti_torch_cpu_linear_norm_bf16(AtenTensorHandle x, AtenTensorHandle* delta, "
+                        "AtenTensorHandle* norm_weight, double eps, AtenTensorHandle packed, AtenTensorHandle* bias, "
+                        "int64_t out_features, int32_t silu, AtenTensorHandle* y, AtenTensorHandle* h)",
+    "paged_attention": "AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                       "AtenTensorHandle v, AtenTensorHandle k_cache, AtenTensorHandle v_cache, int64_t layer, "
+                       "AtenTensorHandle write_slots, AtenTensorHandle row_slots, AtenTensorHandle row_len, "
+                       "double scale, AtenTensorHandle* out)",
+}
+
+
+def c_shims() -> dict:
+    """inductor's aot_inductor.custom_ops_to_c_shims for the loaded kernels (empty where they are not loaded)."""
+    if not registered():
+        return {}
+    return {getattr(torch.ops.whiflash, name).default: [declaration] for name, declaration in C_SHIMS.items()}
 
 
 _shapes_registered = False

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "aoti_shim.h"
 #include "gemm_blocks.h"
 #include "rows.h"
 
@@ -401,6 +402,27 @@ int64_t set_gemm_variant(int64_t variant) {
 int64_t gemm_variant() { return g_variant.load(); }
 
 }  // namespace
+
+// C shims (aoti_shim.h)
+extern "C" AOTITorchError aoti_torch_cpu_linear_bf16(AtenTensorHandle x, AtenTensorHandle packed,
+                                                     AtenTensorHandle* bias, int64_t out_features,
+                                                     AtenTensorHandle* y) {
+  using namespace whiflash::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      give(linear_bf16(tensor(x), tensor(packed), optional(bias), out_features), y);)
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_linear_norm_bf16(AtenTensorHandle x, AtenTensorHandle* delta,
+                                                          AtenTensorHandle* norm_weight, double eps,
+                                                          AtenTensorHandle packed, AtenTensorHandle* bias,
+                                                          int64_t out_features, int32_t silu, AtenTensorHandle* y,
+                                                          AtenTensorHandle* h) {
+  using namespace whiflash::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      auto out = linear_norm_bf16(tensor(x), optional(delta), optional(norm_weight), eps, tensor(packed),
+                                  optional(bias), out_features, silu != 0);
+      give(std::move(std::get<0>(out)), y); give(std::move(std::get<1>(out)), h);)
+}
 
 bool whiflash::amx_selected() { return g_variant.load(std::memory_order_relaxed) == kAmx; }
 

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "aoti_shim.h"
 #include "attention.h"
 #include "simd.h"
 
@@ -373,6 +374,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 }  // namespace
+
+// C shim (aoti_shim.h)
+extern "C" AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                         AtenTensorHandle k_cache, AtenTensorHandle v_cache,
+                                                         int64_t layer, AtenTensorHandle write_slots,
+                                                         AtenTensorHandle row_slots, AtenTensorHandle row_len,
+                                                         double scale, AtenTensorHandle* out) {
+  using namespace whiflash::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(give(paged_attention(tensor(q), tensor(k), tensor(v), tensor(k_cache),
+      tensor(v_cache), layer, tensor(write_slots), tensor(row_slots), tensor(row_len), scale), out);)
+}
 
 TORCH_LIBRARY_FRAGMENT(whiflash, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
