@@ -75,6 +75,60 @@ def test_kernel_rows_do_not_depend_on_the_call(gemm, out_features, in_features, 
         torch.set_num_threads(before)
 
 
+def unpack_int8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q [N, K], s [N]) from pack_int8's layout"""
+    k = packed.shape[1] - 4
+    q = packed[:, :k].transpose(1, 2).reshape(-1, k)[:out_features]
+    return q, packed[:, k:].contiguous().view(torch.float32).flatten()[:out_features]
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_int8_weight_matches_its_dequantised_linear_to_one_rounding(out_features, in_features):
+    w, _ = weights(out_features, in_features, bias=False)
+    packed = kernels.pack_int8(w)
+    assert packed.dtype == torch.int8 and packed.shape == ((out_features + 63) // 64, in_features + 4, 64)
+    q, scale = unpack_int8(packed, out_features)
+    # the quantisation: per row, the largest weight at +-127 and every weight within half a step
+    assert torch.equal(q.abs().amax(1), torch.full((out_features,), 127, dtype=torch.int8))
+    assert (q.double() * scale.double()[:, None] - w.double()).abs().le(scale.double()[:, None] / 2 * 1.001).all()
+    x = torch.randn(7, in_features).bfloat16()
+    got = kernels.linear(x, packed, None, out_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (7, out_features)
+    want = (x.double() @ q.double().T) * scale.double()
+    # one bf16 rounding plus fp32 accumulation error (the products are exact; their sum cancels, hence the atol)
+    assert torch.allclose(got.double(), want, rtol=2 ** -8, atol=1e-5 * in_features ** 0.5 * scale.max().item() * 127)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_int8_rows_do_not_depend_on_the_call(num_threads):
+    w, _ = weights(200, 576, bias=False)
+    packed = kernels.pack_int8(w)
+    x = torch.randn(13, 576).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        alone = torch.cat([kernels.linear(x[i:i + 1], packed, None, 200) for i in range(13)])
+        for rows in (2, 3, 6, 7, 13):
+            assert torch.equal(kernels.linear(x[:rows], packed, None, 200), alone[:rows])
+            assert torch.equal(kernels.linear(x[13 - rows:], packed, None, 200), alone[13 - rows:])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_int8_weights_are_for_a_bias_free_bf16_head_and_checked():
+    w, b = weights(64, 576, bias=True)
+    assert FrozenLinear(w, int8=True).kernel_weight.dtype == torch.int8
+    assert FrozenLinear(w, b, int8=True).kernel_weight.dtype == torch.int32     # a bias: the bf16 GEMM
+    assert FrozenLinear(w.float(), int8=True).kernel_weight.dtype == torch.float32
+    x = torch.randn(2, 576).bfloat16()
+    with pytest.raises(ValueError, match="no bias"):
+        kernels.linear(x, kernels.pack_int8(w), b, 64)
+    with pytest.raises(RuntimeError, match=r"K \+ 4"):
+        torch.ops.whiflash.linear_i8(x[:, :512], kernels.pack_int8(w), 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.whiflash.linear_i8(x, kernels.pack_int8(w), 65)
+
+
 def norm_case(rows: int, seed: int = 0):
     """x, delta [rows, 576] bf16, a bf16 RMSNorm over 576 and a [gate; up] weight [2 x 1536, 576]"""
     g = torch.Generator().manual_seed(seed)

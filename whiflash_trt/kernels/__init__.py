@@ -2,7 +2,8 @@
 carries, and loaded once per process:
 - linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with three inner loops (FMA on widened
   pairs, VDPBF16PS, or AMX tiles where the CPU has AMX-BF16): `load` gives the process the fastest one on this CPU
-  (choose_gemm);
+  (choose_gemm); and linear_i8, the same rows over an int8 weight quantised per output row (pack_int8: the
+  drafters' LM heads);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification), the
   entropy and top-2 margin of a bonus position (the route signal), and each row's top k (the drafters' trees);
@@ -227,6 +228,8 @@ C_SHIMS = {
     "linear_norm_bf16": "AOTITorchError aoti_torch_cpu_linear_norm_bf16(AtenTensorHandle x, AtenTensorHandle* delta, "
                         "AtenTensorHandle* norm_weight, double eps, AtenTensorHandle packed, AtenTensorHandle* bias, "
                         "int64_t out_features, int32_t silu, AtenTensorHandle* y, AtenTensorHandle* h)",
+    "linear_i8": "AOTITorchError aoti_torch_cpu_linear_i8(AtenTensorHandle x, AtenTensorHandle packed, "
+                 "int64_t out_features, AtenTensorHandle* y)",
     "paged_attention": "AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k, "
                        "AtenTensorHandle v, AtenTensorHandle k_cache, AtenTensorHandle v_cache, int64_t layer, "
                        "AtenTensorHandle write_slots, AtenTensorHandle row_slots, AtenTensorHandle row_len, "
@@ -252,6 +255,8 @@ def _register_shapes() -> None:
         return
     for op in ("whiflash::linear_bf16", "whiflash::linear_fp32"):
         torch.library.register_fake(op)(lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features))
+    torch.library.register_fake("whiflash::linear_i8")(
+        lambda x, packed, out_features: x.new_empty(x.shape[0], out_features))
     torch.library.register_fake("whiflash::linear_norm_bf16")(
         lambda x, delta, norm_weight, eps, packed, bias, out_features, silu:
         (x.new_empty(x.shape[0], out_features), x.new_empty(0 if norm_weight is None else x.shape[0], x.shape[1])))
@@ -292,9 +297,26 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return pairs.view(torch.int32).view(-1, k // 2, BLOCK)
 
 
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/64), K + 4, 64] int8 for linear (linear_bf16.cpp's linear_i8): each output row n quantised
+    as W[n] ~ s[n] Q[n] with s[n] = max |W[n]| / 127 and Q = round(W[n] / s[n]) in [-127, 127]; a block's rows 0..K-1
+    hold Q[., k] of its 64 outputs, its rows K..K+3 their 64 fp32 scales (zero rows pad N)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    scale = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    q = F.pad(q, (0, 0, 0, -n % BLOCK)).view(-1, BLOCK, k).transpose(1, 2)
+    scales = F.pad(scale, (0, -n % BLOCK)).view(-1, BLOCK).contiguous().view(torch.int8).view(-1, 4, BLOCK)
+    return torch.cat([q, scales], 1).contiguous()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [M, K] -> [M, out_features] in x's dtype (bf16 over a packed bf16 weight, fp32 over an fp32 one); bias fp32
-    or None."""
+    """x [M, K] -> [M, out_features] in x's dtype (bf16 over a packed bf16 or int8 weight, fp32 over an fp32 one);
+    bias fp32 or None (none with an int8 weight)."""
+    if packed.dtype == torch.int8:
+        if bias is not None:
+            raise ValueError("an int8 weight (pack_int8) takes no bias")
+        return torch.ops.whiflash.linear_i8(x, packed, out_features)
     if packed.dtype == torch.float32:
         return torch.ops.whiflash.linear_fp32(x, packed, bias, out_features)
     return torch.ops.whiflash.linear_bf16(x, packed, bias, out_features)

@@ -91,7 +91,7 @@ class Eagle3Drafter(nn.Module, Eagle3):
         fused, its linears, fc and the draft head FrozenLinears, its attention on the engine's kernel where loaded."""
         self.midlayer.self_attn.fuse()
         self.midlayer.mlp.fuse()
-        self.head = FrozenLinear(self.lm_head.weight)
+        self.head = FrozenLinear(self.lm_head.weight, int8=True)   # quantised on the kernels (FrozenLinear)
         fc = self._modules.pop("fc")   # a FrozenLinear from here on (still .weight for kv_only): ~4x faster at 1 row
         self.fc = FrozenLinear(fc.weight, fc.bias)
         self.kernel_attention = kernels.registered()

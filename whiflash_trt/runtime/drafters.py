@@ -208,14 +208,15 @@ class DFlashProposer(Proposer):
                       else target.embed(torch.tensor([model.config.mask_token_id], device=pool.k.device)))
         self._mask_rows = mask_e.expand(self.draft_block_len - 1, -1)
         # A drafter trained over part of the vocabulary drafts from it alone: the target lm_head's rows of those ids,
-        # packed once (SmolLM2: 8192 of 49152 rows, the head's read per round 5.6x smaller). `vocab` maps a column
-        # of `head`'s logits to its target id. A target without its head as a tensor (a graph) drafts over all ids.
+        # packed once, in int8 on the kernels (SmolLM2: 8192 of 49152 rows, the head's read per round 11x smaller).
+        # `vocab` maps a column of `head`'s logits to its target id. A target without its head as a tensor (a graph)
+        # drafts over all ids.
         ids, weight = model.draft_vocab(), target.head_weight()
         self.vocab: list[int] | None = None
         self.head: FrozenLinear | None = None
         if ids is not None and weight is not None:
             self.vocab = ids.tolist()
-            self.head = FrozenLinear(weight.detach()[ids.to(weight.device)].contiguous())
+            self.head = FrozenLinear(weight.detach()[ids.to(weight.device)].contiguous(), int8=True)
 
     @property
     def draft_block_len(self) -> int:
