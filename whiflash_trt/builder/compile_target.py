@@ -63,7 +63,7 @@ def step_dims(max_positions: int) -> tuple[torch.export.Dim, torch.export.Dim, d
 
 def package(module: nn.Module, inputs: tuple, shapes: tuple, path: Path) -> float:
     """torch.export `module` on `inputs` with the dynamic `shapes`, then compile it ahead of time into the package
-    `path` -> the seconds it took."""
+    `path` (the engine's ops called through their C shims: kernels.c_shims) -> the seconds it took."""
     start = time.perf_counter()
     with torch.no_grad():
         program = torch.export.export(module, inputs, dynamic_shapes=shapes)

@@ -1,6 +1,7 @@
 // whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX-512 BF16 CPUs;
 // whiflash::linear_norm_bf16: the same GEMM with a decoder layer's residual add and RMSNorm before it and SwiGLU
-// after it (rows.h).
+// after it (rows.h); whiflash::linear_i8: the same few-row GEMM over an int8 weight quantised per output row (a
+// drafter's LM head; i8_rows below).
 //
 // Why a kernel of our own: decode and verify stream every weight once per step, and oneDNN's bf16 GEMM streams them
 // well below the machine's read bandwidth, the more so the more rows (measured on this project's Xeon, 2 threads:
