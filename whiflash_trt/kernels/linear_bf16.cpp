@@ -331,13 +331,18 @@ void widen(const uint16_t* from, float* to, int64_t n) {
   }
 }
 
+// A packed weight's blocks ([N/64, ., 64]) hold `columns` outputs
+void check_columns(const at::Tensor& packed, int64_t columns, const char* op) {
+  TORCH_CHECK(columns > (packed.size(0) - 1) * kBlock && columns <= packed.size(0) * kBlock, op,
+              ": out_features does not match the packed weight");
+}
+
 void check_weight(const at::Tensor& packed, int64_t in_features, int64_t columns, const char* op) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kBlock, op,
               ": packed must be [N/64, K/2, 64] int32 (kernels.pack_weight)");
   TORCH_CHECK(in_features == 2 * packed.size(1), op, ": x has ", in_features, " features, the weight ",
               2 * packed.size(1));
-  TORCH_CHECK(columns > (packed.size(0) - 1) * kBlock && columns <= packed.size(0) * kBlock, op,
-              ": out_features does not match the packed weight");
+  check_columns(packed, columns, op);
 }
 
 // The FMA and DOT loops: y [rows, columns] = x W^T (+ bias), x [rows, ldx] bf16
@@ -403,8 +408,7 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, int64_t out_
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == kBlock &&
               packed.size(1) == k + kScaleRows, "linear_i8: packed must be [N/64, K + 4, 64] int8 "
               "(kernels.pack_int8) for x's K = ", k);
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kBlock && out_features <= packed.size(0) * kBlock,
-              "linear_i8: out_features does not match the packed weight");
+  check_columns(packed, out_features, "linear_i8");
   const at::Tensor xb = x.contiguous(), pc = packed.contiguous();
   std::vector<float> xf(rows * k);
   widen(bits(xb), xf.data(), static_cast<int64_t>(xf.size()));
