@@ -178,3 +178,19 @@ def test_bf16_layers_on_the_kernels_match_the_torch_modules(tiny_checkpoint, var
     for got, want in ((fused.logits, modules.logits), (fused.captured, modules.captured)):
         assert got.dtype == torch.bfloat16 and (got == want).float().mean() > 0.9
         assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_traced_by_halves_equals_the_eager_form_bit_for_bit(dtype):
+    """apply_rope's traced form (per half, what a compiled step exports) rounds every product and sum as the eager
+    form does: the compiled engine's q and k are the eager engine's."""
+    from whiflash_trt.config import RopeConfig
+    from whiflash_trt.models.layers import RotaryTable, apply_rope
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 5, 64, generator=gen).to(dtype)
+    cos, sin = RotaryTable(64, 512, RopeConfig(theta=10000.0))(torch.tensor([0, 3, 100, 101, 250, 400, 511]), dtype)
+    traced = torch.compile(apply_rope, backend="eager", fullgraph=True)(x, cos, sin)
+    eager = apply_rope(x, cos, sin)
+    assert torch.equal(traced, eager)
+    assert not torch.equal(eager, x * cos)   # the rotation took part

@@ -175,8 +175,17 @@ class RotaryTable(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] (rotate-half convention of the HF checkpoints)."""
+    """x: [T, heads, head_dim] (rotate-half convention of the HF checkpoints).
+
+    Traced for a compiled step, the same products and sums per half, so inductor writes each half of the output
+    straight from x; the rotated copy of x the eager form concatenates cost the step's fused kernel two more passes
+    (measured on the Xeon with AMX, 2 threads, 30 SmolLM2 layers' q and k: 381 -> 228 us at 16 rows, 183 -> 147 us
+    at one, bit-identical). Eager, the form of fewer ops."""
     half = x.shape[-1] // 2
+    if torch.compiler.is_compiling():
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos[..., :half] + (-x2) * sin[..., :half],
+                          x2 * cos[..., half:] + x1 * sin[..., half:]], dim=-1)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
