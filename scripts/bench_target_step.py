@@ -1,5 +1,6 @@
-"""Micro-benchmark: one target step (q new tokens on a cached context) of our forward vs transformers', A/B
-interleaved in rounds on the same weights, for bf16 and fp32 and q = 1, 2, 8, 16. bf16 times the engine's target as
+"""Micro-benchmark: one target step (q new tokens on a cached context) of our forward vs transformers', on the same
+weights, for bf16 and fp32 and q = 1, 2, 8, 16: each round times every q and both forwards in turn, and each ratio
+is the median of its per-round ratios. bf16 times the engine's target as
 it runs (the default engine: the compiled backend where it was built); fp32 the torch modules.
 
     python scripts/bench_target_step.py [--engine DIR] [--context 256] [--rounds 7] [--iters 10] [--threads N]
@@ -42,30 +43,34 @@ def compare(runner, hf, seq, prompt: list[int], dtype: torch.dtype, args) -> Non
         seq.commit(prompt, None)
         cache = DynamicCache(config=hf.config)
         hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
-    base = None
-    for q in (1, 2, 8, 16):
-        new = prompt[:q]
+    sizes = (1, 2, 8, 16)
 
-        def run_ours():
-            runner.step(seq, new)
+    def run_ours(q):
+        runner.step(seq, prompt[:q])
 
-        def run_hf():
-            with torch.inference_mode():
-                hf(torch.tensor([new]), past_key_values=cache, use_cache=True)
-                cache.crop(-q)
+    def run_hf(q):
+        with torch.inference_mode():
+            hf(torch.tensor([prompt[:q]]), past_key_values=cache, use_cache=True)
+            cache.crop(-q)
 
-        times = {"ours": [], "hf": []}
-        for fn in (run_ours, run_hf):
-            fn()  # warm-up
-        for _ in range(args.rounds):
+    # every round times each q and both forwards in turn, so ratios pair measurements seconds apart (the machine's
+    # speed drifts by several percent over minutes)
+    times = {(name, q): [] for name in ("ours", "hf") for q in sizes}
+    for q in sizes:
+        run_ours(q), run_hf(q)  # warm-up
+    for _ in range(args.rounds):
+        for q in sizes:
             for name, fn in (("ours", run_ours), ("hf", run_hf)):
                 t = time.perf_counter()
                 for _ in range(args.iters):
-                    fn()
-                times[name].append((time.perf_counter() - t) / args.iters * 1000)
-        o, h = statistics.median(times["ours"]), statistics.median(times["hf"])
-        base = base or o
-        print(f"{str(dtype)[6:]:6} {q:2} {o:8.2f} {h:8.2f} {h / o:8.2f}x {o / base:10.2f}x")
+                    fn(q)
+                times[name, q].append((time.perf_counter() - t) / args.iters * 1000)
+    for q in sizes:
+        ours, hf_ms = times["ours", q], times["hf", q]
+        speedup = statistics.median(h / o for h, o in zip(hf_ms, ours))
+        rel = statistics.median(o / b for o, b in zip(ours, times["ours", 1]))
+        print(f"{str(dtype)[6:]:6} {q:2} {statistics.median(ours):8.2f} {statistics.median(hf_ms):8.2f} "
+              f"{speedup:8.2f}x {rel:10.2f}x")
 
 
 def main() -> None:
