@@ -1,7 +1,7 @@
 """Micro-benchmark: one target step (q new tokens on a cached context) of our forward vs transformers', on the same
 weights, for bf16 and fp32 and q = 1, 2, 8, 16: each round times every q and both forwards in turn, and each ratio
-is the median of its per-round ratios. bf16 times the engine's target as
-it runs (the default engine: the compiled backend where it was built); fp32 the torch modules.
+is the median of its per-round ratios. bf16 times the engine's target as it runs (the default engine: the compiled
+backend where it was built); fp32 the torch modules.
 
     python scripts/bench_target_step.py [--engine DIR] [--context 256] [--rounds 7] [--iters 10] [--threads N]
 """
