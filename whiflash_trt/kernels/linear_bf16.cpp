@@ -231,21 +231,23 @@ struct Fused {
 // blocks: 9 blocks (576 outputs) give each of 2 threads 4.5 blocks, not 5 and 4 (SwiGLU: whole blocks, its gate
 // and up outputs together). Each thread walks its part of each block for every tile of rows (it configures its
 // tiles per tile height and releases them at the end); which thread computes an output changes none of its bits.
-// With a norm, every thread normalises all the rows into a buffer of its own first (no serial pass, no barrier);
-// the one that starts at output 0 writes h.
+// With a norm, every thread normalises all the rows into a buffer of its own first (no serial pass, no barrier)
+// and writes the h of the rows in proportion to its outputs: the next call's threads then each read about half of
+// h from the other core's cache, not one of them all of it.
 void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* w, int64_t pairs, const float* bias,
                 uint16_t* y, int64_t out_features, const Fused& f) {
   constexpr int64_t kTilesPerBlock = kBlock / 16;
   const int64_t columns = f.silu ? 2 * out_features : out_features, unit = f.silu ? kTilesPerBlock : 1;
-  at::parallel_for(0, (columns + 16 * unit - 1) / (16 * unit), 1, [&](int64_t begin_unit, int64_t end_unit) {
+  const int64_t units = (columns + 16 * unit - 1) / (16 * unit);
+  at::parallel_for(0, units, 1, [&](int64_t begin_unit, int64_t end_unit) {
     const int64_t begin = begin_unit * unit, end = std::min(end_unit * unit, (columns + 15) / 16);
     const uint16_t* in = x;
     int64_t ld = ldx;
     if (f.norm) {
       thread_local std::vector<uint16_t> normed;
       normed.resize(rows * 2 * pairs);
-      whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, 2 * pairs, begin == 0 ? f.h : nullptr,
-                               normed.data());
+      whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, 2 * pairs, f.h, rows * begin_unit / units,
+                               rows * end_unit / units, normed.data());
       in = normed.data(), ld = 2 * pairs;
     }
     alignas(64) uint16_t gate_up[kAmxRows][kBlock];
@@ -373,7 +375,7 @@ void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const at::Tensor& packed
   const int64_t variant = g_variant.load(std::memory_order_relaxed);
   if (variant == kAmx && amx_supported(pairs)) return amx_linear(x, ldx, rows, wp, pairs, bias, y, out_features, f);
   std::vector<uint16_t> normed(f.norm ? rows * ldx : 0);
-  if (f.norm) whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, ldx, f.h, normed.data());
+  if (f.norm) whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, ldx, f.h, 0, rows, normed.data());
   const uint16_t* in = f.norm ? normed.data() : x;
   if (!f.silu) return loop_gemm(in, ldx, rows, wp, pairs, bias, y, columns, variant != kFma);
   std::vector<uint16_t> gate_up(rows * columns);

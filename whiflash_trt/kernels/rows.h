@@ -23,13 +23,16 @@ extern "C" __m512 Sleef_expf16_u10(__m512);   // in libtorch_cpu: the exp of at:
 
 namespace whiflash {
 
-// Rows [first, last) of x [., k] (+ delta): h into h_out (when given), RMSNorm(h) * w into n_out; all [., k] bf16.
-// The second pass adds delta again rather than read h back (a thread that does not write h has it nowhere else).
+// Rows [first, last) of x [., k] (+ delta): RMSNorm(h) * w into n_out, and the h of rows [h_first, h_last) into
+// h_out (when given); all [., k] bf16. The second pass adds delta again rather than read h back (a thread that does
+// not write a row's h has it nowhere else).
 inline void normalize_rows(const uint16_t* x, const uint16_t* delta, const uint16_t* w, float eps, int64_t first,
-                           int64_t last, int64_t k, uint16_t* h_out, uint16_t* n_out) {
+                           int64_t last, int64_t k, uint16_t* h_out, int64_t h_first, int64_t h_last,
+                           uint16_t* n_out) {
   for (int64_t r = first; r < last; ++r) {
     const uint16_t* xr = x + r * k;
     const uint16_t* dr = delta ? delta + r * k : nullptr;
+    const bool write_h = dr && h_out && r >= h_first && r < h_last;
     auto h = [&](int64_t j, __mmask16 m) {
       return dr ? round_bf16(_mm512_add_ps(load16(xr + j, m), load16(dr + j, m))) : load16(xr + j, m);
     };
@@ -37,7 +40,7 @@ inline void normalize_rows(const uint16_t* x, const uint16_t* delta, const uint1
     for (int64_t j = 0; j < k; j += 16) {
       const __mmask16 m = lanes(k - j);
       const __m512 hj = h(j, m);
-      if (dr && h_out) store16(h_out + r * k + j, hj, m);
+      if (write_h) store16(h_out + r * k + j, hj, m);
       squares = _mm512_fmadd_ps(hj, hj, squares);
     }
     const __m512 s = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(k) + eps));
