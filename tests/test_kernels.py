@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from whiflash_trt import kernels
-from whiflash_trt.models.layers import FrozenLinear, RMSNorm
+from whiflash_trt.models.layers import FrozenLinear, RMSNorm, apply_rope
 
 pytestmark = pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine "
                                 "(no AVX-512 BF16 or no C++ compiler: conftest printed why)")
@@ -407,6 +407,35 @@ def test_paged_attention_writes_rows_given_as_views_of_a_fused_projection(attent
                                    dim ** -0.5)
     assert torch.equal(got_pools[0], want_pools[0]) and torch.equal(got_pools[1], want_pools[1])
     assert torch.equal(got_pools[1][1, write], v) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dim", [40, 64, 128], ids=["dim40", "dim64", "dim128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_paged_attention_rotates_q_and_k_as_apply_rope_does(attention_path, dtype, dim):
+    """Given cos and sin, the op rotates q and k itself (q and k as column views of the fused projection, as a
+    compiled step passes them): the pools' keys and the output equal, bit for bit, apply_rope's q and k attended
+    without them."""
+    rows, heads, kv_heads = 5, 6, 2
+    q, k, v, k_pool, v_pool = pools_and_queries(dtype, rows, heads, kv_heads, dim)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+    q_view = fused[:, :heads * dim].view(rows, heads, dim)
+    k_view = fused[:, heads * dim:(heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    angles = torch.randn(rows, dim // 2, generator=torch.Generator().manual_seed(2)) * 3
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype)[:, None] for f in (torch.cos, torch.sin))
+    write = torch.tensor([290, 3, 150, 7, 299])
+    row_slots = torch.cat([torch.arange(100), write]).repeat(rows, 1)
+    row_len = torch.tensor([101, 102, 103, 104, 105])
+    got_pools, want_pools = (k_pool.clone(), v_pool.clone()), (k_pool.clone(), v_pool.clone())
+    got = kernels.paged_attention(q_view, k_view, v, *got_pools, 1, write, row_slots, row_len, dim ** -0.5, cos, sin)
+    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert not torch.equal(q_rot, q)
+    want = kernels.paged_attention(q_rot, k_rot, v, *want_pools, 1, write, row_slots, row_len, dim ** -0.5)
+    assert torch.equal(got_pools[0][1, write], k_rot) and torch.equal(got_pools[0], want_pools[0])
+    assert torch.equal(got_pools[1], want_pools[1]) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="together"):
+        kernels.paged_attention(q, k, v, *got_pools, 1, write, row_slots, row_len, 0.1, cos, None)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        kernels.paged_attention(q, k, v, *got_pools, 1, write, row_slots, row_len, 0.1, cos[:4], sin[:4])
 
 
 @pytest.mark.parametrize("dim", [40, 64, 128], ids=["dim40", "dim64", "dim128"])

@@ -233,7 +233,7 @@ C_SHIMS = {
     "paged_attention": "AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k, "
                        "AtenTensorHandle v, AtenTensorHandle k_cache, AtenTensorHandle v_cache, int64_t layer, "
                        "AtenTensorHandle write_slots, AtenTensorHandle row_slots, AtenTensorHandle row_len, "
-                       "double scale, AtenTensorHandle* out)",
+                       "double scale, AtenTensorHandle* cos, AtenTensorHandle* sin, AtenTensorHandle* out)",
 }
 
 
@@ -261,7 +261,7 @@ def _register_shapes() -> None:
         lambda x, delta, norm_weight, eps, packed, bias, out_features, silu:
         (x.new_empty(x.shape[0], out_features), x.new_empty(0 if norm_weight is None else x.shape[0], x.shape[1])))
     torch.library.register_fake("whiflash::paged_attention")(
-        lambda q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len, scale:
+        lambda q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len, scale, cos, sin:
         q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
     _shapes_registered = True
 
@@ -346,12 +346,14 @@ def swiglu(x: torch.Tensor, gate_up_packed: torch.Tensor, out_features: int) -> 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     layer: int, write_slots: torch.Tensor, row_slots: torch.Tensor, row_len: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """Writes k, v [T, kv_heads, D] at write_slots [T] of layer `layer` of the pools [layers, slots, kv_heads, D],
     then attends q [T, heads, D] row t to the slots row_slots[t, :row_len[t]] (int64, logical order) of that layer
-    -> [T, heads * D]."""
+    -> [T, heads * D]. With cos, sin ([T, D] or [T, 1, D], q's dtype) q and k are rotated first, as
+    models.layers.apply_rope rotates them, bit for bit: in the op, a compiled step makes no pass of its own over
+    them."""
     return torch.ops.whiflash.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len,
-                                              scale)
+                                              scale, cos, sin)
 
 
 def kv_prefill(feats: torch.Tensor, fc_packed: torch.Tensor, hidden: int, hidden_norm_weight: torch.Tensor,

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -28,6 +29,30 @@ struct Layer {
 // their number alone, so rows stay invariant.
 constexpr int64_t kSplitFrom = 64;
 inline int64_t split_at(int64_t keys) { return keys < kSplitFrom ? keys : ((keys + 1) / 2 + 31) / 32 * 32; }
+
+// RoPE (rotate-half, the HF checkpoints' convention) of one head vector x [dim] at its row's cos, sin [dim], into
+// out: out[:h] = x[:h] cos[:h] + (-x[h:]) sin[:h], out[h:] = x[h:] cos[h:] + x[:h] sin[h:], every product and sum
+// rounded to T as models/layers.py apply_rope's torch ops round them (fp32: the explicitly rounded intrinsics, which
+// the compiler cannot fuse into a multiply-add; bf16: a product of two bf16 is exact in fp32, then rounded).
+template <typename T>
+inline void rope_head(const T* x, const T* cos, const T* sin, int64_t dim, T* out) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  auto product = [](__m512 a, __m512 b) {
+    const __m512 p = _mm512_mul_round_ps(a, b, kNearest);
+    return std::is_same_v<T, float> ? p : round_bf16(p);
+  };
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < half; j += 16) {
+    const __mmask16 m = lanes(half - j);
+    const __m512 a = load16(x + j, m), b = load16(x + half + j, m);
+    const __m512 minus_b = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(b), sign));
+    store16(out + j, _mm512_add_round_ps(product(a, load16(cos + j, m)), product(minus_b, load16(sin + j, m)),
+                                         kNearest), m);
+    store16(out + half + j, _mm512_add_round_ps(product(b, load16(cos + half + j, m)),
+                                                product(a, load16(sin + half + j, m)), kNearest), m);
+  }
+}
 
 // A run's weights p_j = exp(s_j - top) for keys [0, n), 16 at a time, and their sum (16 lanes, reduced once). With
 // `bf16`, p rounded to bf16 goes there and the sum adds the rounded p (bf16 may lie over s: 2 bytes a key, written
@@ -98,9 +123,17 @@ Partial<Vecs>* partials(int64_t n) {
   return buffer.data();
 }
 
-// The AMX path (attention_amx.cpp): bf16 heads of a multiple of 64 dims, where amx_selected()
+// Each row's cos and sin [rows, dim] in the queries' dtype: the call's q and k are rotated in it (rope_head)
+struct Rope {
+  const void* cos;
+  const void* sin;
+};
+
+// The AMX path (attention_amx.cpp): bf16 heads of a multiple of 64 dims, where amx_selected(). q [rows, heads, dim]
+// with rows q_row elements apart; rope: q rotated per task as it is read (null: q as it is).
 constexpr bool amx_fits(int64_t dim) { return dim % 64 == 0 && dim <= 256; }
-void attend_amx(const at::BFloat16* q, int64_t rows, int64_t heads, const Layer& pool, const int64_t* row_slots,
-                int64_t width, const int64_t* row_len, float scale, at::BFloat16* out);
+void attend_amx(const at::BFloat16* q, int64_t q_row, int64_t rows, int64_t heads, const Layer& pool,
+                const int64_t* row_slots, int64_t width, const int64_t* row_len, float scale, const Rope* rope,
+                at::BFloat16* out);
 
 }  // namespace whiflash

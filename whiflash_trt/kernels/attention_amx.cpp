@@ -94,6 +94,8 @@ struct Pass {
 
 struct Call {
   const at::BFloat16* q;
+  int64_t q_row;                 // elements from one row of q to the next
+  const Rope* rope;              // null: q as it is
   int64_t rows, heads, group, dim;
   const Layer* pool;
   const int64_t* slots;
@@ -184,13 +186,22 @@ class Task {
   }
 
   // B tiles of the queries: qt_[dc][pair p][column n] = the n-th query's dims 32 dc + 2p, 2p + 1 (zero past cols_):
-  // per 32 dims, the columns' 16 pairs as 16 rows of 16 int32, transposed
+  // per 32 dims, the columns' 16 pairs as 16 rows of 16 int32, transposed. With RoPE each column's query is rotated
+  // first (into stage_, free until the scores).
   void transpose_queries() {
-    const auto* q = reinterpret_cast<const float*>(c_.q);   // a pair of bf16 moved as one 32-bit lane
+    const at::BFloat16* query[kCols];
+    for (int n = 0; n < cols_; ++n) {
+      query[n] = c_.q + row(n) * c_.q_row + head(n) * c_.dim;
+      if (c_.rope == nullptr) continue;
+      auto* rotated = reinterpret_cast<at::BFloat16*>(stage_[0]) + n * c_.dim;
+      rope_head(query[n], static_cast<const at::BFloat16*>(c_.rope->cos) + row(n) * c_.dim,
+                static_cast<const at::BFloat16*>(c_.rope->sin) + row(n) * c_.dim, c_.dim, rotated);
+      query[n] = rotated;
+    }
     alignas(64) float rows[16 * 16];
     for (int64_t dc = 0; dc < c_.dim / 32; ++dc) {
-      for (int n = 0; n < 16; ++n) {
-        const __m512 pairs = n < cols_ ? _mm512_loadu_ps(q + (row(n) * c_.heads + head(n)) * c_.dim / 2 + 16 * dc)
+      for (int n = 0; n < 16; ++n) {   // a pair of bf16 moved as one 32-bit lane
+        const __m512 pairs = n < cols_ ? _mm512_loadu_ps(reinterpret_cast<const float*>(query[n]) + 16 * dc)
                                        : _mm512_setzero_ps();
         _mm512_store_ps(rows + 16 * n, pairs);
       }
@@ -423,10 +434,11 @@ void attend_tiles(const Call& call, int64_t tiles, at::BFloat16* out) {
 
 }  // namespace
 
-void attend_amx(const at::BFloat16* q, int64_t rows, int64_t heads, const Layer& pool, const int64_t* row_slots,
-                int64_t width, const int64_t* row_len, float scale, at::BFloat16* out) {
+void attend_amx(const at::BFloat16* q, int64_t q_row, int64_t rows, int64_t heads, const Layer& pool,
+                const int64_t* row_slots, int64_t width, const int64_t* row_len, float scale, const Rope* rope,
+                at::BFloat16* out) {
   const int64_t group = heads / pool.kv_heads, tiles = (rows * group + kCols - 1) / kCols;
-  const Call call{q, rows, heads, group, pool.dim, &pool, row_slots, width, row_len, scale};
+  const Call call{q, q_row, rope, rows, heads, group, pool.dim, &pool, row_slots, width, row_len, scale};
   switch (pool.dim) {
     case 64: return attend_tiles<4>(call, tiles, out);
     case 128: return attend_tiles<8>(call, tiles, out);

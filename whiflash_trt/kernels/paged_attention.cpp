@@ -47,6 +47,7 @@ namespace {
 using whiflash::Layer;
 using whiflash::merge_runs;
 using whiflash::Partial;
+using whiflash::Rope;
 using whiflash::split_at;
 using whiflash::exp_weights;
 using whiflash::lanes;
@@ -305,18 +306,47 @@ void attend_dim(const at::Tensor& q, const Layer& pool, const at::Tensor& row_sl
 // layer[write_slots[t]] = rows[t] for every row t: one memcpy of kv_heads * D per row (index_copy_'s dispatch and
 // checks cost ~3 us per call, 30 layers x 2 pools a step). Rows whose kv_heads x D are contiguous are read in place:
 // V of a verify is such a view of the fused QKV projection, and a copy of it cost ~10 us per layer.
-void write_rows(char* layer, const Layer& pool, const at::Tensor& rows, const int64_t* slot) {
-  const bool in_place = rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2));
-  const at::Tensor src = in_place ? rows : rows.contiguous();
-  const int64_t n = src.size(0), row_bytes = src.size(1) * src.size(2) * src.element_size();
-  const int64_t from_stride = src.stride(0) * src.element_size(), stride = pool.slot_stride * src.element_size();
-  const auto* from = static_cast<const char*>(src.data_ptr());
-  for (int64_t t = 0; t < n; ++t) std::memcpy(layer + slot[t] * stride, from + t * from_stride, row_bytes);
+// With `rope` (the keys), each head goes through rope_head at its row's cos and sin instead.
+bool heads_in_place(const at::Tensor& rows) {
+  return rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2));
+}
+
+template <typename T>
+void write_rows(char* layer, const Layer& pool, const at::Tensor& rows, const int64_t* slot, const Rope* rope) {
+  const at::Tensor src = heads_in_place(rows) ? rows : rows.contiguous();
+  const int64_t n = src.size(0), heads = src.size(1), dim = src.size(2), from_stride = src.stride(0);
+  const T* from = src.data_ptr<T>();
+  T* to = reinterpret_cast<T*>(layer);
+  for (int64_t t = 0; t < n; ++t) {
+    T* dst = to + slot[t] * pool.slot_stride;
+    if (rope == nullptr) {
+      std::memcpy(dst, from + t * from_stride, heads * dim * sizeof(T));
+      continue;
+    }
+    const T* c = static_cast<const T*>(rope->cos) + t * dim;
+    const T* s = static_cast<const T*>(rope->sin) + t * dim;
+    for (int64_t h = 0; h < heads; ++h) whiflash::rope_head(from + t * from_stride + h * dim, c, s, dim, dst + h * dim);
+  }
+}
+
+// q [T, heads, D] as the AVX-512 path reads it: contiguous, rotated with `rope`
+template <typename T>
+at::Tensor queries(const at::Tensor& q, const Rope* rope) {
+  if (rope == nullptr) return q.contiguous();
+  const at::Tensor src = heads_in_place(q) ? q : q.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t heads = q.size(1), dim = q.size(2);
+  for (int64_t t = 0; t < q.size(0); ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      whiflash::rope_head(src.data_ptr<T>() + t * src.stride(0) + h * dim, static_cast<const T*>(rope->cos) + t * dim,
+                          static_cast<const T*>(rope->sin) + t * dim, dim, out.data_ptr<T>() + (t * heads + h) * dim);
+  return out;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                            at::Tensor v_cache, int64_t layer, const at::Tensor& write_slots,
-                           const at::Tensor& row_slots, const at::Tensor& row_len, double scale) {
+                           const at::Tensor& row_slots, const at::Tensor& row_len, double scale,
+                           const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k_cache.dim() == 4, "paged_attention: q [T, heads, D], k and v "
               "[T, kv_heads, D], pools [layers, slots, kv_heads, D]");
   TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "paged_attention: layer out of range");
@@ -343,9 +373,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* write = where.data_ptr<int64_t>();
   for (int64_t t = 0; t < where.numel(); ++t)
     TORCH_CHECK(write[t] >= 0 && write[t] < pool.slots, "paged_attention: a write slot is outside the pool");
-  write_rows(pool.k, pool, k, write);
-  write_rows(pool.v, pool, v, write);
-  at::Tensor qc = q.contiguous(), slots = row_slots.contiguous(), len = row_len.contiguous();
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "paged_attention: cos and sin come together");
+  at::Tensor cos_rows, sin_rows;
+  Rope rope_rows;
+  const Rope* rope = nullptr;
+  if (cos.has_value()) {
+    TORCH_CHECK(cos->sizes() == sin->sizes() && cos->numel() == q.size(0) * pool.dim && cos->size(0) == q.size(0) &&
+                    cos->scalar_type() == q.scalar_type() && sin->scalar_type() == q.scalar_type() &&
+                    pool.dim % 2 == 0,
+                "paged_attention: cos and sin [T, D] or [T, 1, D] (D even) in q's dtype");
+    cos_rows = cos->contiguous(), sin_rows = sin->contiguous();
+    rope_rows = Rope{cos_rows.data_ptr(), sin_rows.data_ptr()};
+    rope = &rope_rows;
+  }
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  if (bf16) {
+    write_rows<at::BFloat16>(pool.k, pool, k, write, rope);
+    write_rows<at::BFloat16>(pool.v, pool, v, write, nullptr);
+  } else {
+    write_rows<float>(pool.k, pool, k, write, rope);
+    write_rows<float>(pool.v, pool, v, write, nullptr);
+  }
+  at::Tensor slots = row_slots.contiguous(), len = row_len.contiguous();
   // every key a row reads lies in the pool: 8 slots per unsigned compare (a negative slot compares as a huge one);
   // aten reductions would cost microseconds per layer
   const int64_t width = slots.size(1);
@@ -361,14 +410,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     }
     TORCH_CHECK(outside == 0, "paged_attention: a read slot is outside the pool");
   }
-  at::Tensor out = at::empty_like(qc);
-  if (q.scalar_type() == at::kBFloat16 && whiflash::amx_selected() && whiflash::amx_fits(pool.dim)) {
-    whiflash::attend_amx(qc.data_ptr<at::BFloat16>(), qc.size(0), qc.size(1), pool, sp, width, lp,
-                         static_cast<float>(scale), out.data_ptr<at::BFloat16>());
-  } else if (q.scalar_type() == at::kFloat) {
-    attend_dim<float>(qc, pool, slots, len, scale, out);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (bf16 && whiflash::amx_selected() && whiflash::amx_fits(pool.dim)) {   // reads q in place, rotates it per task
+    const at::Tensor qv = heads_in_place(q) ? q : q.contiguous();
+    whiflash::attend_amx(qv.data_ptr<at::BFloat16>(), qv.stride(0), qv.size(0), qv.size(1), pool, sp, width, lp,
+                         static_cast<float>(scale), rope, out.data_ptr<at::BFloat16>());
+  } else if (bf16) {
+    attend_dim<at::BFloat16>(queries<at::BFloat16>(q, rope), pool, slots, len, scale, out);
   } else {
-    attend_dim<at::BFloat16>(qc, pool, slots, len, scale, out);
+    attend_dim<float>(queries<float>(q, rope), pool, slots, len, scale, out);
   }
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
@@ -380,15 +430,17 @@ extern "C" AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, Ate
                                                          AtenTensorHandle k_cache, AtenTensorHandle v_cache,
                                                          int64_t layer, AtenTensorHandle write_slots,
                                                          AtenTensorHandle row_slots, AtenTensorHandle row_len,
-                                                         double scale, AtenTensorHandle* out) {
+                                                         double scale, AtenTensorHandle* cos, AtenTensorHandle* sin,
+                                                         AtenTensorHandle* out) {
   using namespace whiflash::shim;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(give(paged_attention(tensor(q), tensor(k), tensor(v), tensor(k_cache),
-      tensor(v_cache), layer, tensor(write_slots), tensor(row_slots), tensor(row_len), scale), out);)
+      tensor(v_cache), layer, tensor(write_slots), tensor(row_slots), tensor(row_len), scale, optional(cos),
+      optional(sin)), out);)
 }
 
 TORCH_LIBRARY_FRAGMENT(whiflash, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
-        "Tensor write_slots, Tensor row_slots, Tensor row_len, float scale) -> Tensor");
+        "Tensor write_slots, Tensor row_slots, Tensor row_len, float scale, Tensor? cos, Tensor? sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(whiflash, CPU, m) {

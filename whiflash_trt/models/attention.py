@@ -69,9 +69,11 @@ class RowKeys:
     slots: torch.Tensor    # [T, W] int64; row t reads slots[t, :lengths[t]]
     lengths: torch.Tensor  # [T] int64
 
-    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float, cos=None,
+               sin=None) -> torch.Tensor:
+        """cos, sin: q and k come unrotated, the kernel rotates them (kernels.paged_attention)."""
         return kernels.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, self.slots, self.lengths,
-                                       scale)
+                                       scale, cos, sin)
 
 
 def attention_keys(segments: list[Segment], group: int, use_kernel: bool) -> KeyLayout | RowKeys:

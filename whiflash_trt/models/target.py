@@ -64,19 +64,33 @@ class Attention(nn.Module):
         kv = self.num_kv_heads * self.head_dim
         return qkv.split([self.num_heads * self.head_dim, kv, kv], -1)
 
-    def heads(self, lead, q, k, v, cos, sin):
-        """project's second half: q, k, v [*lead, ...] -> per head, normed (Qwen3) and rotated"""
+    def heads(self, lead, q, k, v, cos, sin, rotate: bool = True):
+        """project's second half: q, k, v [*lead, ...] -> per head, normed (Qwen3) and rotated (unless not
+        `rotate`)"""
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if not rotate:
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, lead, q, k, v, cos, sin, k_cache, v_cache, layer: int, write_slots,
+               keys: KeyLayout | RowKeys) -> torch.Tensor:
+        """The projections' outputs q, k, v [*lead, ...] -> heads, then the attention -> [*lead, heads * D]. The
+        kernel (RowKeys) rotates q and k itself, as apply_rope does, bit for bit: a compiled step then makes no
+        pass over them between the QKV GEMM and the attention (on the Intel Xeon with AMX that pass was a serial
+        kernel of ~9 us per layer at 16 rows, the other thread waiting through it)."""
+        if isinstance(keys, RowKeys):
+            return keys.attend(*self.heads(lead, q, k, v, cos, sin, rotate=False), k_cache, v_cache, layer,
+                               write_slots, self.scale, cos, sin)
+        return keys.attend(*self.heads(lead, q, k, v, cos, sin), k_cache, v_cache, layer, write_slots, self.scale)
 
     def forward(self, x, cos, sin, k_cache, v_cache, layer: int, write_slots, keys: KeyLayout | RowKeys):
         """k_cache, v_cache: every layer's pools [L, slots, kv, D]; this one writes and reads layer `layer`."""
-        q, k, v = self.project(x, cos, sin)
-        out = keys.attend(q, k, v, k_cache, v_cache, layer, write_slots, self.scale)
+        qkv = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if self.qkv is None else self.split(self.qkv(x))
+        out = self.attend(x.shape[:-1], *qkv, cos, sin, k_cache, v_cache, layer, write_slots, keys)
         return self.o(out) if self.qkv is not None else row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
@@ -107,8 +121,7 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         qkv, h = kernels.linear_norm(h, delta, norm.weight, norm.eps, attn.qkv.kernel_weight, attn.qkv.kernel_bias,
                                      attn.qkv.weight.shape[0])
-        out = keys.attend(*attn.heads(h.shape[:-1], *attn.split(qkv), cos, sin), k_cache, v_cache, layer, write_slots,
-                          attn.scale)
+        out = attn.attend(h.shape[:-1], *attn.split(qkv), cos, sin, k_cache, v_cache, layer, write_slots, keys)
         norm = self.post_attention_layernorm
         act, h = kernels.linear_norm(h, attn.o(out), norm.weight, norm.eps, mlp.gate_up_packed, None,
                                      mlp.gate_proj.weight.shape[0], silu=True)
