@@ -1,6 +1,8 @@
 // whiflash::paged_attention: writes the new tokens' K/V into layer `layer` of the paged pools, then attends every
 // query row to its visible keys, given per row as pool slots in logical order. The op mutates the whole pools (not a
-// view of one layer) so that torch.export sees plain in-place writes to graph inputs.
+// view of one layer) so that torch.export sees plain in-place writes to graph inputs. Given the rows' cos and sin,
+// it rotates q and k first (rope_head, attention.h, rounded as models/layers.py apply_rope): k as it writes it into
+// the pool, q as each task reads it on the AMX path and into a copy on the other.
 //
 // Two paths: bf16 heads of a multiple of 64 dims in a process whose GEMM loop is AMX take attention_amx.cpp's (tiles
 // for every query vector that shares the keys); every other call the AVX-512 one below. A process takes one path for

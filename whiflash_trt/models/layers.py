@@ -177,7 +177,8 @@ class RotaryTable(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim] (rotate-half convention of the HF checkpoints).
 
-    Traced for a compiled step, the same products and sums per half, so inductor writes each half of the output
+    Traced for a compiled step (DFlash's block; the target's and EAGLE-3's attention kernel rotates q and k itself,
+    kernels.paged_attention), the same products and sums per half, so inductor writes each half of the output
     straight from x; the rotated copy of x the eager form concatenates cost the step's fused kernel two more passes
     (measured on the Xeon with AMX, 2 threads, 30 SmolLM2 layers' q and k: 381 -> 228 us at 16 rows, 183 -> 147 us
     at one, bit-identical; the whole compiled target step, both packages alternated in one process: 0.987-0.996x
