@@ -305,14 +305,15 @@ void attend_dim(const at::Tensor& q, const Layer& pool, const at::Tensor& row_sl
   }
 }
 
-// layer[write_slots[t]] = rows[t] for every row t: one memcpy of kv_heads * D per row (index_copy_'s dispatch and
-// checks cost ~3 us per call, 30 layers x 2 pools a step). Rows whose kv_heads x D are contiguous are read in place:
-// V of a verify is such a view of the fused QKV projection, and a copy of it cost ~10 us per layer.
-// With `rope` (the keys), each head goes through rope_head at its row's cos and sin instead.
+// Rows [T, heads, D] whose heads x D are contiguous, read in place (q, k and v of a verify are such views of the
+// fused QKV projection; a copy of V cost ~10 us per layer)
 bool heads_in_place(const at::Tensor& rows) {
   return rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2));
 }
 
+// layer[write_slots[t]] = rows[t] for every row t: one memcpy of kv_heads * D per row (index_copy_'s dispatch and
+// checks cost ~3 us per call, 30 layers x 2 pools a step); with `rope` (the keys), each head through rope_head at
+// its row's cos and sin instead.
 template <typename T>
 void write_rows(char* layer, const Layer& pool, const at::Tensor& rows, const int64_t* slot, const Rope* rope) {
   const at::Tensor src = heads_in_place(rows) ? rows : rows.contiguous();
@@ -327,7 +328,8 @@ void write_rows(char* layer, const Layer& pool, const at::Tensor& rows, const in
     }
     const T* c = static_cast<const T*>(rope->cos) + t * dim;
     const T* s = static_cast<const T*>(rope->sin) + t * dim;
-    for (int64_t h = 0; h < heads; ++h) whiflash::rope_head(from + t * from_stride + h * dim, c, s, dim, dst + h * dim);
+    for (int64_t h = 0; h < heads; ++h)
+      whiflash::rope_head(from + t * from_stride + h * dim, c, s, dim, dst + h * dim);
   }
 }
 
@@ -380,7 +382,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   Rope rope_rows;
   const Rope* rope = nullptr;
   if (cos.has_value()) {
-    TORCH_CHECK(cos->sizes() == sin->sizes() && cos->numel() == q.size(0) * pool.dim && cos->size(0) == q.size(0) &&
+    TORCH_CHECK(cos->sizes() == sin->sizes() && cos->dim() >= 2 && cos->size(0) == q.size(0) &&
+                    cos->size(-1) == pool.dim && cos->numel() == q.size(0) * pool.dim &&
                     cos->scalar_type() == q.scalar_type() && sin->scalar_type() == q.scalar_type() &&
                     pool.dim % 2 == 0,
                 "paged_attention: cos and sin [T, D] or [T, 1, D] (D even) in q's dtype");
