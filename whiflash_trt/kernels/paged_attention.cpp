@@ -311,6 +311,14 @@ bool heads_in_place(const at::Tensor& rows) {
   return rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2));
 }
 
+// Row t of rows [T, heads, D] (from: its heads x D, contiguous) through rope_head at the row's cos and sin, into dst
+template <typename T>
+void rope_row(const T* from, int64_t heads, int64_t dim, const Rope& rope, int64_t t, T* dst) {
+  const T* c = static_cast<const T*>(rope.cos) + t * dim;
+  const T* s = static_cast<const T*>(rope.sin) + t * dim;
+  for (int64_t h = 0; h < heads; ++h) whiflash::rope_head(from + h * dim, c, s, dim, dst + h * dim);
+}
+
 // layer[write_slots[t]] = rows[t] for every row t: one memcpy of kv_heads * D per row (index_copy_'s dispatch and
 // checks cost ~3 us per call, 30 layers x 2 pools a step); with `rope` (the keys), each head through rope_head at
 // its row's cos and sin instead.
@@ -322,14 +330,8 @@ void write_rows(char* layer, const Layer& pool, const at::Tensor& rows, const in
   T* to = reinterpret_cast<T*>(layer);
   for (int64_t t = 0; t < n; ++t) {
     T* dst = to + slot[t] * pool.slot_stride;
-    if (rope == nullptr) {
-      std::memcpy(dst, from + t * from_stride, heads * dim * sizeof(T));
-      continue;
-    }
-    const T* c = static_cast<const T*>(rope->cos) + t * dim;
-    const T* s = static_cast<const T*>(rope->sin) + t * dim;
-    for (int64_t h = 0; h < heads; ++h)
-      whiflash::rope_head(from + t * from_stride + h * dim, c, s, dim, dst + h * dim);
+    if (rope == nullptr) std::memcpy(dst, from + t * from_stride, heads * dim * sizeof(T));
+    else rope_row(from + t * from_stride, heads, dim, *rope, t, dst);
   }
 }
 
@@ -340,10 +342,10 @@ at::Tensor queries(const at::Tensor& q, const Rope* rope) {
   const at::Tensor src = heads_in_place(q) ? q : q.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int64_t heads = q.size(1), dim = q.size(2);
+  const T* from = src.data_ptr<T>();
+  T* to = out.data_ptr<T>();
   for (int64_t t = 0; t < q.size(0); ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      whiflash::rope_head(src.data_ptr<T>() + t * src.stride(0) + h * dim, static_cast<const T*>(rope->cos) + t * dim,
-                          static_cast<const T*>(rope->sin) + t * dim, dim, out.data_ptr<T>() + (t * heads + h) * dim);
+    rope_row(from + t * src.stride(0), heads, dim, *rope, t, to + t * heads * dim);
   return out;
 }
 

@@ -25,6 +25,7 @@ import torch
 
 from whiflash_trt import kernels
 from whiflash_trt.models.contracts import Segment
+from whiflash_trt.models.layers import apply_rope
 
 CHUNK = 64       # keys per chunk: every chunk reduction has this length
 ROW_BLOCK = 128  # query rows per pass over the keys (bounds the score memory of a long prefill)
@@ -54,9 +55,10 @@ class KeyLayout:
     blocks: list[RowBlock]
     group: int  # query heads per KV head
 
-    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float) -> torch.Tensor:
-        """Writes k, v [T, kv, D] at write_slots of layer `layer` of the pools [L, slots, kv, D], then q [T, heads, D]
-        -> [T, heads * D]."""
+    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float, cos, sin) -> torch.Tensor:
+        """Rotates q [T, heads, D] and k [T, kv, D] (apply_rope at cos, sin), writes k, v at write_slots of layer
+        `layer` of the pools [L, slots, kv, D], then attends q -> [T, heads * D]."""
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache[layer].index_copy_(0, write_slots, k)
         v_cache[layer].index_copy_(0, write_slots, v)
         return row_invariant_attention(q, k_cache[layer], v_cache[layer], self, scale)
@@ -69,9 +71,8 @@ class RowKeys:
     slots: torch.Tensor    # [T, W] int64; row t reads slots[t, :lengths[t]]
     lengths: torch.Tensor  # [T] int64
 
-    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float, cos=None,
-               sin=None) -> torch.Tensor:
-        """cos, sin: q and k come unrotated, the kernel rotates them (kernels.paged_attention)."""
+    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float, cos, sin) -> torch.Tensor:
+        """KeyLayout.attend on the kernel, which rotates q and k itself (kernels.paged_attention)."""
         return kernels.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, self.slots, self.lengths,
                                        scale, cos, sin)
 

@@ -55,42 +55,40 @@ class Attention(nn.Module):
     def project(self, x, cos, sin):
         """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
         RoPE (cos/sin broadcast over the heads)."""
+        q, k, v = self.heads(x.shape[:-1], *self.projections(x))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def projections(self, x) -> list[torch.Tensor]:
+        """x [..., H] -> q, k, v [..., heads (kv_heads) * head_dim]"""
         if self.qkv is None:
-            return self.heads(x.shape[:-1], self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
-        return self.heads(x.shape[:-1], *self.split(self.qkv(x)), cos, sin)
+            return [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        return self.split(self.qkv(x))
 
     def split(self, qkv: torch.Tensor) -> list[torch.Tensor]:
         """The fused projection's output [..., (heads + 2 kv_heads) * head_dim] -> q, k, v"""
         kv = self.num_kv_heads * self.head_dim
         return qkv.split([self.num_heads * self.head_dim, kv, kv], -1)
 
-    def heads(self, lead, q, k, v, cos, sin, rotate: bool = True):
-        """project's second half: q, k, v [*lead, ...] -> per head, normed (Qwen3) and rotated (unless not
-        `rotate`)"""
+    def heads(self, lead, q, k, v):
+        """The projections' q, k, v [*lead, ...] -> per head, q and k normed (Qwen3); not rotated"""
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not rotate:
-            return q, k, v
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return q, k, v
 
     def attend(self, lead, q, k, v, cos, sin, k_cache, v_cache, layer: int, write_slots,
                keys: KeyLayout | RowKeys) -> torch.Tensor:
-        """The projections' outputs q, k, v [*lead, ...] -> heads, then the attention -> [*lead, heads * D]. The
-        kernel (RowKeys) rotates q and k itself, as apply_rope does, bit for bit: a compiled step then makes no
-        pass over them between the QKV GEMM and the attention (on the Intel Xeon with AMX that pass was a serial
-        kernel of ~9 us per layer at 16 rows, the other thread waiting through it)."""
-        if isinstance(keys, RowKeys):
-            return keys.attend(*self.heads(lead, q, k, v, cos, sin, rotate=False), k_cache, v_cache, layer,
-                               write_slots, self.scale, cos, sin)
-        return keys.attend(*self.heads(lead, q, k, v, cos, sin), k_cache, v_cache, layer, write_slots, self.scale)
+        """The projections' outputs q, k, v [*lead, ...] -> heads, then the attention, which rotates q and k ->
+        [*lead, heads * D]. The kernel (RowKeys) rotates them itself, as apply_rope does, bit for bit: a compiled
+        step then makes no pass over them between the QKV GEMM and the attention (on the Intel Xeon with AMX that
+        pass was a serial kernel of ~9 us per layer at 16 rows, the other thread waiting through it)."""
+        return keys.attend(*self.heads(lead, q, k, v), k_cache, v_cache, layer, write_slots, self.scale, cos, sin)
 
     def forward(self, x, cos, sin, k_cache, v_cache, layer: int, write_slots, keys: KeyLayout | RowKeys):
         """k_cache, v_cache: every layer's pools [L, slots, kv, D]; this one writes and reads layer `layer`."""
-        qkv = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if self.qkv is None else self.split(self.qkv(x))
-        out = self.attend(x.shape[:-1], *qkv, cos, sin, k_cache, v_cache, layer, write_slots, keys)
+        out = self.attend(x.shape[:-1], *self.projections(x), cos, sin, k_cache, v_cache, layer, write_slots, keys)
         return self.o(out) if self.qkv is not None else row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
