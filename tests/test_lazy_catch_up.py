@@ -113,7 +113,11 @@ def test_a_drafters_prompt_prefill_is_its_own_phase_and_catch_up_counts_generate
         assert stats["catch_up_tokens"] == sum(per_round(t) for t in taus[:-1])
         phases = stats["phase_seconds"]
         assert phases["drafter_prefill"] > 0 and phases["catch_up"] > 0
-        assert stats["switching_overhead"] == pytest.approx(phases["catch_up"] / sum(phases.values()), abs=1e-4)
+        # phase_seconds are rounded to 10 us: the overhead (from the unrounded seconds) lies within what that allows
+        half = 0.5e-5
+        low = (phases["catch_up"] - half) / (sum(phases.values()) + half * len(phases))
+        high = (phases["catch_up"] + half) / (sum(phases.values()) - half * len(phases))
+        assert low - half <= stats["switching_overhead"] <= high + half
     # a routed run: each drafter prefills the prompt once, the first time it drafts (EAGLE-3 one position short only
     # if that is the first round)
     stats = spec_engine.generate(prompt, gen, spec=SpecConfig("whiflash", "entropy", 1.5, "lazy")).stats
