@@ -161,6 +161,28 @@ def test_linear_norm_swiglu_equals_silu_of_its_gate_and_up_to_the_bit(gemm):
     assert h.shape == (0, 576)   # no norm, no residual stream: nothing copied
 
 
+def test_swiglu_equals_silu_to_the_bit_for_every_finite_bf16_gate(gemm):
+    """The gate reaches SwiGLU as bf16: 65,280 finite values, all of them tried. Row r of x is the unit vector e_r,
+    so gate output i of row r is W_gate[i, r], one finite bf16 value each; up is 1. A silu below fp32's smallest
+    normal comes out as a zero of its sign (the kernels round to bf16 with VCVTNEPS2BF16, which flushes subnormals;
+    torch rounds them)."""
+    inter, k = 1536, 44
+    finite = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = finite[torch.isfinite(finite)]
+    gate_w = torch.zeros(k * inter, dtype=torch.bfloat16)
+    gate_w[:finite.numel()] = finite
+    w = torch.cat([gate_w.view(k, inter).t(), torch.ones(inter, k, dtype=torch.bfloat16)])
+    x = torch.eye(k, dtype=torch.bfloat16)
+    gate, up = kernels.linear(x, kernels.pack_weight(w), None, 2 * inter).chunk(2, -1)
+    assert gate.unique().numel() > 65000 and torch.equal(up, torch.ones_like(up))
+    want = F.silu(gate) * up
+    silu32 = F.silu(gate.float())
+    subnormal = (silu32 != 0) & (silu32.abs() < torch.finfo(torch.float32).tiny)
+    want[subnormal] = torch.copysign(torch.zeros_like(want[subnormal]), want[subnormal])
+    got = kernels.swiglu(x, kernels.pack_gate_up(w), inter)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))   # to the bit: the sign of a zero as well
+
+
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("silu", [False, True])
 def test_linear_norm_rows_do_not_depend_on_the_call(gemm, num_threads, silu):
