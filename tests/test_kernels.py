@@ -499,10 +499,12 @@ def test_paged_attention_tree_rows_equal_each_node_alone(attention_path):
         assert torch.equal(alone[0], together[t]), f"row {t}"
 
 
-def test_paged_attention_rows_of_a_batch_equal_each_row_alone(attention_path):
+@pytest.mark.parametrize("rows", [20, 24])
+def test_paged_attention_rows_of_a_batch_equal_each_row_alone(attention_path, rows):
     """A batched call's rows see other sequences' keys (in the AMX path: passes of their own per chunk), and rows of
-    one sequence share theirs; each equals its row alone, with more rows than one column tile holds (16 queries)."""
-    rows, heads, kv_heads, dim = 20, 6, 2, 64
+    one sequence share theirs; each equals its row alone, with more rows than one column tile holds (16 queries):
+    60 and 72 queries per KV head, four and five tiles."""
+    heads, kv_heads, dim = 6, 2, 64
     q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows, heads, kv_heads, dim, slots=600)
     g = torch.Generator().manual_seed(3)
     sequences = [torch.randperm(560, generator=g)[:n] for n in (40, 130, 97)]
