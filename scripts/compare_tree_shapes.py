@@ -3,10 +3,12 @@
 Every variant runs on every prompt in a rotating order (the machine is shared and noisy: compare within a run), on
 held-out benchmark prompts (prompts SKIP.. of each category; whiflash-bench measures the first ones), greedy, so
 every variant's output is `ar`'s (checked). Prints per variant: tokens/s of the decode rounds (the tokens they made
-over their time; prefill left out), ms per round, draft ms per round, tau and the speed-up over `ar`. This is how the default trees (config.TreeConfig,
-DFlashTreeConfig.DEFAULT_NODES) were chosen.
+over their time; prefill left out), ms per round, draft ms per round, tau and the speed-up over `ar`. This is how
+the default trees (config.TreeConfig, DFlashTreeConfig.DEFAULT_NODES) were chosen. A shape may end in @P, its
+probability floor (min_prob; without it the tree has none).
 
-    python scripts/compare_tree_shapes.py --eagle3 3,4,6 3,3,6 3,2,6 --dflash 6 5 --num-prompts 5 --threads 2
+    python scripts/compare_tree_shapes.py --eagle3 3,4,6 3,2,6 3,3,10@0.05 --dflash 6 5 8@0.05 --num-prompts 5 \
+        --threads 2
 """
 from __future__ import annotations
 
@@ -22,21 +24,25 @@ from whiflash_trt.runtime.device import cpu_model
 from whiflash_trt.runtime.engine import Engine
 
 
-def variants(eagle3: list[str], dflash: list[int]) -> dict[str, SpecConfig]:
-    """ar, then "eagle3 k,d,n" for each top-k,depth,nodes and "dflash n" for each node count."""
+def variants(eagle3: list[str], dflash: list[str]) -> dict[str, SpecConfig]:
+    """ar, then "eagle3 k,d,n[@p]" for each top-k,depth,nodes (and floor) and "dflash n[@p]" for each node count."""
     specs = {AR: SpecConfig(mode=AR)}
     for shape in eagle3:
-        top_k, depth, nodes = (int(x) for x in shape.split(","))
-        specs[f"{EAGLE3} {shape}"] = SpecConfig(mode=EAGLE3, tree=TreeConfig(top_k, depth, nodes))
-    for nodes in dflash:
-        specs[f"{DFLASH} {nodes}"] = SpecConfig(mode=DFLASH, dflash_tree=DFlashTreeConfig(total_tokens=nodes))
+        sizes, _, floor = shape.partition("@")
+        top_k, depth, nodes = (int(x) for x in sizes.split(","))
+        specs[f"{EAGLE3} {shape}"] = SpecConfig(mode=EAGLE3, tree=TreeConfig(top_k, depth, nodes, float(floor or 0)))
+    for shape in dflash:
+        nodes, _, floor = shape.partition("@")
+        specs[f"{DFLASH} {shape}"] = SpecConfig(mode=DFLASH, dflash_tree=DFlashTreeConfig(
+            total_tokens=int(nodes), min_prob=float(floor or 0)))
     return specs
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--eagle3", nargs="*", default=[], metavar="K,D,N", help="EAGLE-3 trees: top-k,depth,nodes")
-    p.add_argument("--dflash", nargs="*", type=int, default=[], metavar="N", help="DFlash trees: nodes")
+    p.add_argument("--eagle3", nargs="*", default=[], metavar="K,D,N[@P]",
+                   help="EAGLE-3 trees: top-k,depth,nodes[@probability floor]")
+    p.add_argument("--dflash", nargs="*", default=[], metavar="N[@P]", help="DFlash trees: nodes[@probability floor]")
     add_held_out_options(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -67,7 +73,7 @@ def main() -> None:
     base = tokens[AR] / seconds[AR]
     for name in names:
         rate = tokens[name] / seconds[name]
-        print(f"{name:16s} tok/s {rate:7.1f}  ms/round {1e3 * seconds[name] / rounds[name]:6.2f}  draft "
+        print(f"{name:20s} tok/s {rate:7.1f}  ms/round {1e3 * seconds[name] / rounds[name]:6.2f}  draft "
               f"{1e3 * draft[name] / rounds[name]:5.2f}  tau {tokens[name] / rounds[name]:.3f}  speed-up "
               f"{rate / base:.3f}")
 

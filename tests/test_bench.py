@@ -309,7 +309,8 @@ def test_bench_dflash_tree_budget_reaches_the_dflash_mode_and_stays_lossless(ben
 
     rc = main(["--engine", str(bench_engine_dir), "--categories", "code", "--modes", "ar,dflash",
                "--num-prompts", "1", "--max-new-tokens", "12", "--dtype", "fp32", "--out", str(tmp_path),
-               "--no-progress", "--warmup", "0", "--dflash-tree-total-tokens", "10", "--dflash-tree-top-k", "3"])
+               "--no-progress", "--warmup", "0", "--dflash-tree-total-tokens", "10", "--dflash-tree-top-k", "3",
+               "--dflash-tree-min-prob", "0.1"])
     results = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, results["lossless"]
-    assert results["modes"]["dflash"]["dflash_tree"] == {"total_tokens": 10, "top_k": 3}
+    assert results["modes"]["dflash"]["dflash_tree"] == {"total_tokens": 10, "top_k": 3, "min_prob": 0.1}

@@ -58,6 +58,20 @@ def test_heap_builder_returns_exactly_the_most_probable_prefixes(seed, top_k):
         assert expected == pytest.approx(brute_expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("min_prob", [0.01, 0.05, 0.2])
+def test_a_probability_floor_keeps_the_most_probable_prefixes_above_it(seed, min_prob):
+    g = torch.Generator().manual_seed(seed)
+    logprobs = torch.log_softmax(torch.randn(4, 5, generator=g) * 2, dim=-1)
+    for total in (2, 5, 17, 200):
+        tree, expected = best_prefix_tree(7, logprobs, total, min_prob=min_prob)
+        best, _ = _brute_force(logprobs, total - 1, None)
+        _check_valid(tree, 7)
+        prob = {path: math.exp(sum(logprobs[d, t].item() for d, t in enumerate(path))) for path in best}
+        assert _paths(tree) == {path for path in best if prob[path] >= min_prob}
+        assert expected == pytest.approx(sum(p for p in prob.values() if p >= min_prob), rel=1e-5, abs=1e-9)
+
+
 def test_budget_past_every_prefix_gives_the_whole_tree():
     logprobs = torch.log_softmax(torch.randn(2, 3), dim=-1)
     tree, expected = best_prefix_tree(0, logprobs, 100)

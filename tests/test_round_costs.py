@@ -82,3 +82,28 @@ def test_the_engine_says_once_when_a_request_drafts_other_trees_than_the_router_
     engine.router_for(other)
     err = capsys.readouterr().err
     assert err.count("the router was fit for draft trees") == 1 and '"total_tokens": 5' in err
+
+
+def test_a_router_file_from_before_the_probability_floor_matches_trees_without_one(tmp_path, tiny_checkpoint, capsys):
+    """Its trees record no min_prob: they had none, so requests drafting the same shapes unpruned are not warned
+    about, and pruned ones are."""
+    from whiflash_trt.config import DFlashTreeConfig, SpecConfig, TreeConfig
+
+    target = tiny_checkpoint("spec")
+    drafters = save_drafters(tmp_path, target, router=False)
+    probe = Engine.load(build_tiny_engine(target, tmp_path / "probe", **drafters), round_costs_cache=tmp_path)
+    unpruned = SpecConfig(mode="whiflash", router="neural", tree=TreeConfig(3, 2, 6, min_prob=0.0),
+                          dflash_tree=DFlashTreeConfig(min_prob=0.0))
+    legacy = {d: {k: v for k, v in shape.items() if k != "min_prob"}
+              for d, shape in probe.tree_shapes(unpruned).items()}
+    save_throughput_router(AcceptancePredictor(4, len(FEATURES)), tmp_path / "router.safetensors", 1.0,
+                           {"eagle3": 0.0, "dflash": 0.0}, {"none": 1.0, "eagle3": 2.0, "dflash": 2.0}, 0.5, 0.0,
+                           trees=legacy)
+    engine = Engine.load(build_tiny_engine(target, tmp_path / "engine", router=tmp_path / "router.safetensors",
+                                           **drafters), round_costs_cache=tmp_path)
+    capsys.readouterr()
+    engine.router_for(unpruned)
+    assert capsys.readouterr().err == ""
+    engine.router_for(SpecConfig(mode="whiflash", router="neural", tree=TreeConfig(3, 2, 6, min_prob=0.05),
+                                 dflash_tree=DFlashTreeConfig(min_prob=0.0)))
+    assert '"min_prob": 0.05' in capsys.readouterr().err

@@ -88,8 +88,14 @@ def test_a_dflash_tree_run_gives_the_ar_output(spec_engine_dir):
     (["--dflash-tree-total-tokens", "1"], "DFlash tree total_tokens must be >= 2"),
     (["--mode", "dflash", "--dflash-tree-total-tokens", "9", "--dflash-tree-top-k", "1"],
      "a DFlash tree of 9 nodes does not fit this drafter: 5 drafts per block with top_k 1 hold at most 6 nodes"),
+    (["--tree-min-prob", "1"], "a draft tree's min_prob must be in [0, 1), got 1.0"),
+    (["--mode", "eagle3", "--dflash-tree-min-prob", "-0.1"], "a draft tree's min_prob must be in [0, 1), got -0.1"),
+    (["--mode", "dflash", "--tree-min-prob", "0.1"], "--tree-min-prob applies only to the EAGLE-3 drafter"),
+    (["--mode", "eagle3", "--dflash-tree-min-prob", "0.1"], "--dflash-tree-min-prob applies only to the DFlash "
+                                                            "drafter"),
 ], ids=["device", "tree", "kv-budget", "stream-json", "router-with-ar", "threshold-with-eagle3", "tree-with-dflash",
-        "dflash-tree-with-eagle3", "dflash-tree-too-small", "dflash-tree-too-big"])
+        "dflash-tree-with-eagle3", "dflash-tree-too-small", "dflash-tree-too-big", "floor-of-one", "negative-floor",
+        "floor-with-dflash", "dflash-floor-with-eagle3"])
 def test_bad_or_ignored_options_are_one_error_line(spec_engine_dir, argv, message):
     assert message in error_line("--engine", spec_engine_dir, "--prompt", "hi", *argv)
 

@@ -13,11 +13,14 @@ SPECS = [
     SpecConfig(mode="eagle3"),
     SpecConfig(mode="eagle3", tree=TreeConfig(top_k=1, depth=4, total_tokens=5)),      # chain
     SpecConfig(mode="eagle3", tree=TreeConfig(top_k=3, depth=3, total_tokens=8)),
+    SpecConfig(mode="eagle3", tree=TreeConfig(top_k=3, depth=3, total_tokens=10, min_prob=0.2)),   # pruned
     SpecConfig(mode="dflash"),                                                                # DDTree, default nodes
     SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(top_k=1)),                         # the block's chain
     SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=12)),
     SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=9, top_k=2)),
     SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=4, top_k=1)),         # a shorter chain
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(total_tokens=12, min_prob=0.2)),   # pruned
+    SpecConfig(mode="dflash", dflash_tree=DFlashTreeConfig(top_k=1, min_prob=0.2)),           # a chain cut short
     SpecConfig(mode="whiflash", router="entropy", threshold=1.5),
     SpecConfig(mode="whiflash", router="entropy", threshold=1.5, dflash_tree=DFlashTreeConfig(total_tokens=16)),
     SpecConfig(mode="whiflash", router="entropy", threshold=1.2, catch_up="eager"),

@@ -1,6 +1,7 @@
 """Unit tests of the backend-free speculative math: trees, greedy verification, node selection, routers."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -48,21 +49,42 @@ def test_tree_rejects_children_before_parents():
         DraftTree(tokens=[0, 1, 2], parents=[-1, 2, 0], depths=[0, 2, 1])
 
 
+def _random_candidates(rng: random.Random, step) -> tuple[list[int], list[int], list[float]]:
+    """Up to 29 candidate nodes of a draft tree: parents, depths and cumulative log-probs (each node's own log-prob
+    -step(), drawn per node; a step of 0 gives ties on purpose)."""
+    parents, depths, scores = [], [], []
+    for i in range(rng.randrange(1, 30)):
+        p = rng.randrange(-1, i) if i else -1
+        parents.append(p)
+        depths.append(1 if p < 0 else depths[p] + 1)
+        own = -step()
+        scores.append(own if p < 0 else scores[p] + own)
+    return parents, depths, scores
+
+
 def test_selected_nodes_always_include_their_ancestors():
     rng = random.Random(0)
     for _ in range(200):
-        n = rng.randrange(1, 30)
-        parents, depths, scores = [], [], []
-        for i in range(n):
-            p = rng.randrange(-1, i) if i else -1
-            parents.append(p)
-            depths.append(1 if p < 0 else depths[p] + 1)
-            step = -rng.choice([0.0, 0.0, rng.random()])               # ties on purpose (log-prob 0)
-            scores.append(step if p < 0 else scores[p] + step)
-        chosen = select_nodes(scores, depths, rng.randrange(1, n + 1))
+        parents, depths, scores = _random_candidates(rng, lambda: rng.choice([0.0, 0.0, rng.random()]))
+        chosen = select_nodes(scores, depths, rng.randrange(1, len(scores) + 1))
         for c in chosen:
             assert parents[c] == -1 or parents[c] in chosen
         assert [depths[c] for c in chosen] == sorted(depths[c] for c in chosen)
+
+
+def test_a_probability_floor_leaves_out_the_improbable_nodes_and_keeps_the_tree_closed():
+    rng = random.Random(1)
+    for _ in range(200):
+        parents, depths, scores = _random_candidates(rng, lambda: rng.choice([0.0, rng.random(), 3 * rng.random()]))
+        budget, min_prob = rng.randrange(1, len(scores) + 1), rng.choice([0.02, 0.1, 0.5])
+        chosen = select_nodes(scores, depths, budget, min_prob)
+        above = [i for i in range(len(scores)) if scores[i] >= math.log(min_prob)]
+        assert set(chosen) <= set(above) and len(chosen) == min(budget, len(above))
+        assert all(scores[i] <= min(scores[c] for c in chosen) for i in set(above) - set(chosen))   # the best
+        for c in chosen:
+            assert parents[c] == -1 or parents[c] in chosen
+    with pytest.raises(ValueError, match="min_prob"):
+        select_nodes([0.0], [1], 1, 1.0)
 
 
 def test_entropy_router_smooths_and_thresholds():

@@ -213,7 +213,7 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
                        "--per-category", "1", "--max-new-tokens", "16", "--tree", "1,3,4",
                        "--output", str(chain)]) == 0
     report = json.loads(chain.read_text())
-    assert report["tree"] == {"top_k": 1, "depth": 3, "total_tokens": 4} and report["lossless"] is True
+    assert report["tree"] == {"top_k": 1, "depth": 3, "total_tokens": 4, "min_prob": 0.0} and report["lossless"] is True
     with pytest.raises(SystemExit, match="TOP_K,DEPTH,TOTAL_TOKENS"):
         train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
                     "--tree", "4,5"])
@@ -222,7 +222,7 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
                        "--per-category", "1", "--max-new-tokens", "16", "--dflash-tree-total-tokens", "3",
                        "--dflash-tree-top-k", "1", "--output", str(df_chain)]) == 0
     report = json.loads(df_chain.read_text())
-    assert report["dflash_tree"] == {"total_tokens": 3, "top_k": 1} and report["lossless"] is True
+    assert report["dflash_tree"] == {"total_tokens": 3, "top_k": 1, "min_prob": 0.0} and report["lossless"] is True
     assert "tree" not in report and report["dflash"]["mix"]["rounds"] > 0
     with pytest.raises(SystemExit, match="total_tokens must be >= 2"):
         train_main(["eval", "--data", str(workspace / "data"), "--dflash", str(workspace / "df" / "export"),

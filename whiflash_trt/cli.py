@@ -248,13 +248,19 @@ def run_parser() -> argparse.ArgumentParser:
                                                   f"(default: {TreeConfig.top_k})")
     p.add_argument("--tree-depth", type=int, help=f"EAGLE-3 tree: draft steps per round "
                                                   f"(default: {TreeConfig.depth})")
-    p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round, root included "
-                                                         f"(default: {TreeConfig.total_tokens})")
+    p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round at most, root "
+                                                         f"included (default: {TreeConfig.total_tokens})")
+    p.add_argument("--tree-min-prob", type=float, help=f"EAGLE-3 tree: nodes whose path probability under the "
+                                                       f"drafter is lower are not verified "
+                                                       f"(default: {TreeConfig.min_prob})")
     p.add_argument("--dflash-tree-total-tokens", type=int,
-                   help="DFlash tree (DDTree): nodes verified per round, root included, the most probable prefixes "
-                        "under the block's per-position distributions (default: 6, or what the block holds)")
+                   help="DFlash tree (DDTree): nodes verified per round at most, root included, the most probable "
+                        "prefixes under the block's per-position distributions "
+                        f"(default: {DFlashTreeConfig.DEFAULT_NODES}, or what the block holds)")
     p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
                                                          "chain (default: no limit)")
+    p.add_argument("--dflash-tree-min-prob", type=float, help="DFlash tree: prefixes less probable than this are "
+                                                              f"not verified (default: {DFlashTreeConfig.min_prob})")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
@@ -286,10 +292,14 @@ def _requested_spec(args) -> SpecConfig:
     if args.kv_budget_mb <= 0:
         raise WhiflashError(f"--kv-budget-mb must be positive, got {args.kv_budget_mb}")
     tree = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
-                              ("total_tokens", args.tree_total_tokens)) if v is not None}
+                              ("total_tokens", args.tree_total_tokens), ("min_prob", args.tree_min_prob))
+            if v is not None}
+    dflash_tree = {k: v for k, v in (("total_tokens", args.dflash_tree_total_tokens),
+                                     ("top_k", args.dflash_tree_top_k), ("min_prob", args.dflash_tree_min_prob))
+                   if v is not None}
     return SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold,
                       catch_up=args.catch_up or SpecConfig.catch_up, tree=TreeConfig(**tree),
-                      dflash_tree=DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k))
+                      dflash_tree=DFlashTreeConfig(**dflash_tree))
 
 
 def _check_options_apply(args, mode: str) -> None:
@@ -298,12 +308,12 @@ def _check_options_apply(args, mode: str) -> None:
                                   ("--catch-up", args.catch_up is not None)) if given]
     if routing and mode != WHIFLASH:
         raise WhiflashError(f"{', '.join(routing)} {_verb(routing)} only to --mode whiflash; this run's mode is {mode}")
-    tree = [f"--{k.replace('_', '-')}" for k in ("tree_top_k", "tree_depth", "tree_total_tokens")
+    tree = [f"--{k.replace('_', '-')}" for k in ("tree_top_k", "tree_depth", "tree_total_tokens", "tree_min_prob")
             if getattr(args, k) is not None]
     if tree and EAGLE3 not in MODE_DRAFTERS[mode]:
         raise WhiflashError(f"{', '.join(tree)} {_verb(tree)} only to the EAGLE-3 drafter; this run's mode is {mode}")
-    dflash_tree = [f"--{k.replace('_', '-')}" for k in ("dflash_tree_total_tokens", "dflash_tree_top_k")
-                   if getattr(args, k) is not None]
+    dflash_tree = [f"--{k.replace('_', '-')}" for k in ("dflash_tree_total_tokens", "dflash_tree_top_k",
+                                                         "dflash_tree_min_prob") if getattr(args, k) is not None]
     if dflash_tree and DFLASH not in MODE_DRAFTERS[mode]:
         raise WhiflashError(f"{', '.join(dflash_tree)} {_verb(dflash_tree)} only to the DFlash drafter; this run's "
                             f"mode is {mode}")

@@ -217,16 +217,34 @@ class TreeConfig:
     # 4,2,10 1.408, 3,3,8 1.430, 4,3,12 1.392, 4,4,16 1.304: each verified row still adds ~0.3 ms of attention and
     # bookkeeping, and a draft step ~0.6 ms. With the AMX attention as well (2026-12-03, same CPU, --num-prompts 5):
     # 3,2,5 1.561 against 1.533 for 3,2,6 (3,2,4 1.515), and 1.607 against 1.589 on prompts 15-19 (--skip 15): a 6th
-    # node is a second tile of query vectors in every layer's attention (SmolLM2: 3 per row, 16 a tile). Not switched
-    # yet: the shipped router was fit for 6 nodes (it warns on other trees) and must be refit with the default.
+    # node is a second tile of query vectors in every layer's attention (SmolLM2: 3 per row, 16 a tile).
+    # A probability floor (min_prob, 2026-12-04, same CPU): each verified row costs ~0.2-0.28 ms (2-3% of a step),
+    # worth it only for a node likely to be accepted, so nodes whose path probability under the drafter is below the
+    # floor can be left unverified; the tree then verifies up to total_tokens where the drafter is sure and fewer
+    # where it is not, and a third draft step pays. Speed-up over `ar` (scripts/compare_tree_shapes.py --eagle3
+    # K,D,N@P ... --num-prompts 5 --threads 2, 20 held-out prompts, one process each line; all but the last line by
+    # an ad hoc copy of it that pruned the same nodes before the script took @P): prompts 15-19 of each
+    # set, 3,2,6 1.562, at 0.02/0.05/0.1 1.588/1.594/1.590; 3,2,6 1.590, at 0.05 1.611, 3,3,8 at 0.05 1.634, 3,3,10
+    # at 0.05 1.636, 4,3,12 at 0.05 1.637; 3,2,6 1.564, 3,3,10 at 0.03 1.612 and at 0.08 1.607, 4,4,16 at 0.05 1.592;
+    # prompts 10-14, 3,2,6 1.516, 3,3,10 at 0.05 1.558, 3,3,8 at 0.05 1.554, 4,3,10 at 0.05 1.555; the benchmark's
+    # own prompts (--skip 0): 3,2,6 1.495, 3,3,10 at 0.05 1.529, 3,3,8 at 0.05 1.559. Not the default yet: the
+    # router's labels are each drafter's accepted drafts with the default trees, and a router refit for 3,3,8 at
+    # 0.05 routed worse (whiflash-bench --num-prompts 5 --max-new-tokens 96 --threads 2: EAGLE-3 1.61x `ar` against
+    # 1.54x the same day with 3,2,6, but whiflash-neural 0.96x the better static drafter over all prompts against
+    # 1.01x with the shipped router and trees: the costs calibrated at load put EAGLE-3's adaptive round at 1.11x
+    # DFlash's where the bench measured 1.06x, and the neural router sent 36% of its rounds to DFlash); a refit for
+    # 3,2,6 at 0.05 calibrated DFlash's round at 0.97x EAGLE-3's, and the entropy rule it fit sent every simulated
+    # round to DFlash. The floor is an option (--tree-min-prob) until the router and its costs follow it.
     top_k: int = 3            # children per expanded node (1 = a chain)
     depth: int = 2            # draft steps per round
-    total_tokens: int = 6     # nodes verified per round, root (bonus) included
+    total_tokens: int = 6     # nodes verified per round at most, root (bonus) included
+    min_prob: float = 0.0     # nodes whose path probability under the drafter is below this are not verified
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:
             raise ValueError(f"tree needs top_k >= 1, depth >= 1, total_tokens >= 2; got {self.top_k}, "
                              f"{self.depth}, {self.total_tokens}")
+        check_min_prob(self.min_prob)
 
 
 @dataclass(frozen=True)
@@ -243,16 +261,28 @@ class DFlashTreeConfig:
     # nodes 1.416x, 1.323x and 1.363x `ar`, 6 nodes 1.345x, 1.282x and 1.368x (4 nodes: 1.384x in the first).
     # On an Intel Xeon with AMX (same script, --num-prompts 3, two runs): 5 nodes 1.409x and 1.419x, 6 1.411x, 8
     # 1.396x and 1.406x, 12 1.335x, 16 1.278x. With the AMX attention (2026-12-03, same CPU): 5 nodes 1.532x, 6
-    # 1.520x, 8 1.523x (--num-prompts 3); 5 nodes 1.497x, 4 1.466x (--num-prompts 5).
+    # 1.520x, 8 1.523x (--num-prompts 3); 5 nodes 1.497x, 4 1.466x (--num-prompts 5). A probability floor (min_prob)
+    # does not pay here (2026-12-04, same CPU, compare_tree_shapes.py --dflash N@P as above, 20 prompts): prompts
+    # 15-19, 5 nodes 1.491x, at 0.02/0.05/0.1 1.488x/1.494x/1.485x; again 1.488x, 8 at 0.05 1.499x, 10 at 0.08
+    # 1.516x; prompts 10-14, 5 nodes 1.476x, 8 at 0.08 1.448x, 10 at 0.08 1.435x, 10 at 0.05 1.476x.
     DEFAULT_NODES: ClassVar[int] = 5
-    total_tokens: int | None = None   # nodes verified per round, root (bonus) included; None: see above
+    total_tokens: int | None = None   # nodes verified per round at most, root (bonus) included; None: see above
     top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
+    min_prob: float = 0.0             # prefixes less probable than this (product of the marginals) are not verified
 
     def __post_init__(self) -> None:
         if self.total_tokens is not None and self.total_tokens < 2:
             raise ValueError(f"DFlash tree total_tokens must be >= 2 (the root and a draft), got {self.total_tokens}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"DFlash tree top_k must be >= 1 (1 = a chain), got {self.top_k}")
+        check_min_prob(self.min_prob)
+
+
+def check_min_prob(min_prob: float) -> None:
+    """A draft tree's probability floor: a node is verified only if the drafter gives its path at least this
+    probability (0: every node the budget allows)."""
+    if not 0.0 <= min_prob < 1.0:
+        raise ValueError(f"a draft tree's min_prob must be in [0, 1), got {min_prob}")
 
 
 @dataclass(frozen=True)

@@ -58,12 +58,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-top-k", type=int, default=TreeConfig.top_k, help="EAGLE-3 tree: children per node")
     p.add_argument("--tree-depth", type=int, default=TreeConfig.depth, help="EAGLE-3 tree: draft steps")
     p.add_argument("--tree-total-tokens", type=int, default=TreeConfig.total_tokens,
-                   help="EAGLE-3 tree: nodes verified per round, root included")
+                   help="EAGLE-3 tree: nodes verified per round at most, root included")
+    p.add_argument("--tree-min-prob", type=float, default=TreeConfig.min_prob,
+                   help="EAGLE-3 tree: nodes whose path probability under the drafter is lower are not verified")
     p.add_argument("--dflash-tree-total-tokens", type=int,
-                   help="DFlash tree (DDTree): nodes verified per round, root included "
-                        "(default: 6, or what the block holds)")
+                   help="DFlash tree (DDTree): nodes verified per round at most, root included "
+                        f"(default: {DFlashTreeConfig.DEFAULT_NODES}, or what the block holds)")
     p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
                                                          "chain (default: no limit)")
+    p.add_argument("--dflash-tree-min-prob", type=float, default=DFlashTreeConfig.min_prob,
+                   help="DFlash tree: prefixes less probable than this are not verified")
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="torch threads (headline runs: 2; on a machine shared with other jobs fewer threads than "
@@ -84,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             near_tie=args.near_tie, kv_budget_mb=args.kv_budget_mb, threads=args.threads,
             show_progress=not args.no_progress,
             spec=SpecConfig(catch_up=args.catch_up, tree=TreeConfig(args.tree_top_k, args.tree_depth,
-                                                                    args.tree_total_tokens),
-                            dflash_tree=DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k)),
+                                                                    args.tree_total_tokens, args.tree_min_prob),
+                            dflash_tree=DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k,
+                                                         args.dflash_tree_min_prob)),
             command_line=command)
         results = run_benchmark(opts)
     except (WhiflashError, ValueError) as e:

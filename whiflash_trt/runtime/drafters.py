@@ -135,7 +135,7 @@ class Eagle3Proposer(Proposer):
                 rows = slice(first, first + len(s.level))
                 s.grow(step, values[rows], ids[rows], out[rows], k)
                 first = rows.stop
-        return [Proposal(s.tree(self.tree.total_tokens), frontier=s.n) for s in searches]
+        return [Proposal(s.tree(self.tree.total_tokens, self.tree.min_prob), frontier=s.n) for s in searches]
 
     def to_target(self, draft_ids: torch.Tensor) -> list[list[int]]:
         table = self.target_ids
@@ -186,8 +186,8 @@ class _TreeSearch:
         self.level = [first + b for b in best]
         self.level_hidden = out[[b // k for b in best]]
 
-    def tree(self, total_tokens: int) -> DraftTree:
-        chosen = select_nodes(self.scores, self.depths, total_tokens - 1)
+    def tree(self, total_tokens: int, min_prob: float = 0.0) -> DraftTree:
+        chosen = select_nodes(self.scores, self.depths, total_tokens - 1, min_prob)
         index = {c: i + 1 for i, c in enumerate(chosen)}
         return DraftTree([self.seq.pending] + [self.tokens[c] for c in chosen],
                          [-1] + [index.get(self.parents[c], 0) for c in chosen],
@@ -305,15 +305,16 @@ class DFlashProposer(Proposer):
         return self.propose_many([seq])[0]
 
     def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
-        """Each block gives the DDTree of max_tree_tokens() nodes; with top_k 1, the chain of its argmax drafts."""
+        """Each block gives the DDTree of max_tree_tokens() nodes at most (prefixes less probable than the tree's
+        min_prob left out); with top_k 1, the chain of its argmax drafts (cut where it falls below min_prob)."""
         proposals, nodes = [], self.max_tree_tokens()
         # a tree of `nodes` nodes reaches depth nodes - 1 at most: deeper drafts need no lm_head rows
         for seq, logits in zip(seqs, self.block_logits_many(seqs, min(self.draft_block_len - 1, nodes - 1))):
-            if self.tree.top_k == 1:
+            if self.tree.top_k == 1 and not self.tree.min_prob:
                 tree = DraftTree.chain(seq.pending, logits.argmax(-1).tolist()[:nodes - 1])
             else:
                 values, ids = top_k(logits, ranks_needed(nodes, logits.shape[1], self.tree.top_k), log_softmax=True)
-                tree, _ = prefix_tree(seq.pending, values.tolist(), ids.tolist(), nodes)
+                tree, _ = prefix_tree(seq.pending, values.tolist(), ids.tolist(), nodes, self.tree.min_prob)
             if self.vocab is not None:   # draft ids -> target ids (the root is one already)
                 tree = DraftTree(tree.tokens[:1] + [self.vocab[t] for t in tree.tokens[1:]], tree.parents,
                                  tree.depths)

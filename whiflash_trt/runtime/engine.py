@@ -149,13 +149,16 @@ class Engine:
             shapes[EAGLE3] = dataclasses.asdict(spec.tree)
         if DFLASH in self.proposers:
             df = self.proposers[DFLASH].for_spec(spec)
-            shapes[DFLASH] = {"total_tokens": df.max_tree_tokens(), "top_k": spec.dflash_tree.top_k}
+            shapes[DFLASH] = {"total_tokens": df.max_tree_tokens(), "top_k": spec.dflash_tree.top_k,
+                              "min_prob": spec.dflash_tree.min_prob}
         return shapes
 
     def _check_router_trees(self, spec: SpecConfig) -> None:
         """Say once per tree shape when the router was fit for other draft trees: its predicted acceptance (and so
         its choices) may then be off, though output stays exact."""
-        fitted, shapes = self.router_file.trees, self.tree_shapes(spec)
+        shapes = self.tree_shapes(spec)
+        # a file from before the trees' probability floor records none: its trees had none (0)
+        fitted = {d: {"min_prob": 0.0, **shape} for d, shape in self.router_file.trees.items()}
         key = json.dumps(shapes, sort_keys=True)
         if fitted and fitted != shapes and key not in self._warned_trees:
             self._warned_trees.add(key)

@@ -6,7 +6,8 @@ number of accepted drafts of a prefix-closed tree is the sum of its nodes' proba
 prefixes are the best tree of that many nodes, and they are prefix-closed because a prefix is never more probable
 than its parent. Best-first search finds them: popping a prefix pushes its next sibling (same parent, the next rank
 at its depth) and its first child (the best token one depth deeper); each prefix is pushed by one that is at least
-as probable, so prefixes come off the heap in order.
+as probable, so prefixes come off the heap in order. A probability floor (min_prob) therefore ends the search at the
+first prefix below it: the tree is the most probable prefixes, `budget` of them at most, each at least that probable.
 """
 from __future__ import annotations
 
@@ -15,19 +16,19 @@ import math
 
 import torch
 
-from whiflash_trt.spec.tree import DraftTree
+from whiflash_trt.spec.tree import DraftTree, min_logprob
 
 
-def best_prefix_tree(root: int, logprobs: torch.Tensor, total_tokens: int, top_k: int | None = None
-                     ) -> tuple[DraftTree, float]:
-    """The tree of the `total_tokens - 1` most probable prefixes (plus the root) and their summed probability
-    (the expected accepted drafts under the product model).
+def best_prefix_tree(root: int, logprobs: torch.Tensor, total_tokens: int, top_k: int | None = None,
+                     min_prob: float = 0.0) -> tuple[DraftTree, float]:
+    """The tree of the `total_tokens - 1` most probable prefixes (plus the root; those less probable than min_prob
+    left out) and their summed probability (the expected accepted drafts under the product model).
 
     logprobs: [L, V] log q_d of depth d + 1 (rows need not be normalised for the ranking, but the returned sum is
     only an expectation if they are). top_k: children per node at most (1 = a chain; None = no limit).
     """
     top = torch.topk(logprobs.float(), ranks_needed(total_tokens, logprobs.shape[1], top_k), dim=-1)
-    return prefix_tree(root, top.values.tolist(), top.indices.tolist(), total_tokens)
+    return prefix_tree(root, top.values.tolist(), top.indices.tolist(), total_tokens, min_prob)
 
 
 def ranks_needed(total_tokens: int, vocab: int, top_k: int | None = None) -> int:
@@ -40,11 +41,11 @@ def ranks_needed(total_tokens: int, vocab: int, top_k: int | None = None) -> int
     return max(1, min(drafts, vocab, top_k or drafts))
 
 
-def prefix_tree(root: int, score: list[list[float]], ids: list[list[int]], total_tokens: int
+def prefix_tree(root: int, score: list[list[float]], ids: list[list[int]], total_tokens: int, min_prob: float = 0.0
                 ) -> tuple[DraftTree, float]:
     """best_prefix_tree from each depth's ranked candidates: score[d][r] is log q_{d+1} of ids[d][r], the r-th most
     probable token at depth d + 1 (best first; as many ranks per depth as ranks_needed gives)."""
-    num_drafts, depth = total_tokens - 1, len(score)
+    num_drafts, depth, floor = total_tokens - 1, len(score), min_logprob(min_prob)
     if num_drafts <= 0 or depth == 0:
         return DraftTree([root], [-1], [0]), 0.0
     width = len(score[0])
@@ -54,6 +55,8 @@ def prefix_tree(root: int, score: list[list[float]], ids: list[list[int]], total
     pushed = 1
     while heap and len(nodes) < num_drafts:
         neg, _, parent, d, rank = heapq.heappop(heap)
+        if -neg < floor:   # every prefix still on the heap is as improbable or more
+            break
         nodes.append((-neg, parent, d, ids[d - 1][rank]))
         node = len(nodes)                                              # its index in pop order (root = 0)
         if rank + 1 < width:

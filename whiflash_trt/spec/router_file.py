@@ -14,8 +14,9 @@ EAGLE-3, DFlash). Metadata:
     round_seconds     JSON {none, eagle3, dflash: seconds per round} measured where the router was trained; the
                       engine measures its own at load (runtime.round_costs) and uses these only if told to
     entropy_threshold, entropy_none_threshold   the calibrated three-way entropy rule (optional)
-    trees             JSON {eagle3: {top_k, depth, total_tokens}, dflash: {total_tokens, top_k}}: the draft trees
-                      the training states were measured with (optional; files before it have none). The predicted
+    trees             JSON {eagle3: {top_k, depth, total_tokens, min_prob}, dflash: {total_tokens, top_k, min_prob}}:
+                      the draft trees the training states were measured with (optional; files before it have none;
+                      files before the probability floor have no min_prob: 0). The predicted
                       accepted drafts hold for these shapes only: the engine warns when a request drafts others.
 Any other "format" is refused with an error naming it.
 """

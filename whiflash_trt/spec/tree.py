@@ -3,9 +3,12 @@
 A chain is the degenerate tree parents = [-1, 0, 1, ...]."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from whiflash_trt.config import check_min_prob
 
 
 @dataclass(frozen=True)
@@ -46,11 +49,21 @@ class DraftTree:
         return torch.tensor(rows, dtype=torch.bool)
 
 
-def select_nodes(scores: list[float], depths: list[int], budget: int) -> list[int]:
-    """Indices of the best `budget` candidates by cumulative log-prob (EAGLE-2's re-ranking).
+def select_nodes(scores: list[float], depths: list[int], budget: int, min_prob: float = 0.0) -> list[int]:
+    """Indices of the best `budget` candidates by cumulative log-prob (EAGLE-2's re-ranking), those whose path
+    probability is below `min_prob` left out.
 
     A child's score never exceeds its parent's (log-probs <= 0), and ties go to the shallower node, so the chosen set
     always contains every chosen node's ancestors. Returned in (depth, -score) order: a valid flat-tree order.
     """
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:budget]
+    floor = min_logprob(min_prob)
+    kept = [i for i in range(len(scores)) if scores[i] >= floor]
+    order = sorted(kept, key=lambda i: (-scores[i], depths[i], i))[:budget]
     return sorted(order, key=lambda i: (depths[i], -scores[i], i))
+
+
+def min_logprob(min_prob: float) -> float:
+    """The log of a tree's probability floor (config.TreeConfig.min_prob; -inf for none): nodes whose path log-prob
+    is below it are not verified."""
+    check_min_prob(min_prob)
+    return math.log(min_prob) if min_prob > 0 else -math.inf
