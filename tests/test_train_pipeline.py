@@ -210,10 +210,10 @@ def test_eval_command_reports_tau_per_category_and_lossless(workspace, capsys):
     assert report["tree"] == dataclasses.asdict(TreeConfig())   # the runtime default
     chain = workspace / "eval-chain.json"
     assert train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
-                       "--per-category", "1", "--max-new-tokens", "16", "--tree", "1,3,4",
+                       "--per-category", "1", "--max-new-tokens", "16", "--tree", "1,3,4,0.1",
                        "--output", str(chain)]) == 0
     report = json.loads(chain.read_text())
-    assert report["tree"] == {"top_k": 1, "depth": 3, "total_tokens": 4, "min_prob": 0.0} and report["lossless"] is True
+    assert report["tree"] == {"top_k": 1, "depth": 3, "total_tokens": 4, "min_prob": 0.1} and report["lossless"] is True
     with pytest.raises(SystemExit, match="TOP_K,DEPTH,TOTAL_TOKENS"):
         train_main(["eval", "--data", str(workspace / "data"), "--eagle3", str(workspace / "e3" / "export"),
                     "--tree", "4,5"])

@@ -227,18 +227,16 @@ class TreeConfig:
     # set, 3,2,6 1.562, at 0.02/0.05/0.1 1.588/1.594/1.590; 3,2,6 1.590, at 0.05 1.611, 3,3,8 at 0.05 1.634, 3,3,10
     # at 0.05 1.636, 4,3,12 at 0.05 1.637; 3,2,6 1.564, 3,3,10 at 0.03 1.612 and at 0.08 1.607, 4,4,16 at 0.05 1.592;
     # prompts 10-14, 3,2,6 1.516, 3,3,10 at 0.05 1.558, 3,3,8 at 0.05 1.554, 4,3,10 at 0.05 1.555; the benchmark's
-    # own prompts (--skip 0): 3,2,6 1.495, 3,3,10 at 0.05 1.529, 3,3,8 at 0.05 1.559. Not the default yet: the
-    # router's labels are each drafter's accepted drafts with the default trees, and a router refit for 3,3,8 at
-    # 0.05 routed worse (whiflash-bench --num-prompts 5 --max-new-tokens 96 --threads 2: EAGLE-3 1.61x `ar` against
-    # 1.54x the same day with 3,2,6, but whiflash-neural 0.96x the better static drafter over all prompts against
-    # 1.01x with the shipped router and trees: the costs calibrated at load put EAGLE-3's adaptive round at 1.11x
-    # DFlash's where the bench measured 1.06x, and the neural router sent 36% of its rounds to DFlash); a refit for
-    # 3,2,6 at 0.05 calibrated DFlash's round at 0.97x EAGLE-3's, and the entropy rule it fit sent every simulated
-    # round to DFlash. The floor is an option (--tree-min-prob) until the router and its costs follow it.
+    # own prompts (--skip 0, a check, not a choice): 3,2,6 1.495, 3,3,10 at 0.05 1.529, 3,3,8 at 0.05 1.559. The
+    # default: 3,3,8 at 0.05, as good as 10 nodes on held-out prompts and never verifying more than 8 rows. The
+    # router's labels are each drafter's accepted drafts with the default trees, so it was refit for them
+    # (MODEL_CARD.md, Router); a first refit routed worse, with costs calibrated on one code prompt that put
+    # EAGLE-3's adaptive round at 1.11x DFlash's where the bench measured 1.06x (runtime.round_costs now calibrates
+    # on a code and a prose prompt: 1.08x).
     top_k: int = 3            # children per expanded node (1 = a chain)
-    depth: int = 2            # draft steps per round
-    total_tokens: int = 6     # nodes verified per round at most, root (bonus) included
-    min_prob: float = 0.0     # nodes whose path probability under the drafter is below this are not verified
+    depth: int = 3            # draft steps per round
+    total_tokens: int = 8     # nodes verified per round at most, root (bonus) included
+    min_prob: float = 0.05    # nodes whose path probability under the drafter is below this are not verified
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:

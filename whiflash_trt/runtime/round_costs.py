@@ -1,11 +1,14 @@
 """Seconds per round of each routing choice on the machine that runs the engine: the throughput router's costs.
 
-A short calibration when an engine with a v2 router file loads (Engine.__init__): a fixed prompt decoded for a few
-tokens in each static mode (`ar` for a target-only round, EAGLE-3 with the default tree, DFlash), after an untimed
-warm-up of each. The modes take turns (ar, EAGLE-3, DFlash, ar, ...) for `reps` repetitions so that a change of load
-on a shared machine hits all three alike, and a choice's cost is the median over repetitions of its mean round time
-(route, draft, verify, commit; not the drafter's prefill of the prompt in the first round, nor catch-up, 1-2% of a
-round in steady decoding). About 7-10 s for SmolLM2-135M on one loaded CPU
+A short calibration when an engine with a v2 router file loads (Engine.__init__): two fixed prompts (code, where the
+drafters are sure, and open prose, where they are not) decoded for a few tokens each in each static mode (`ar` for a
+target-only round, EAGLE-3 with the default tree, DFlash), after an untimed warm-up of each. The modes take turns
+(ar, EAGLE-3, DFlash, ar, ...) for `reps` repetitions so that a change of load on a shared machine hits all three
+alike, and a choice's cost is the median over repetitions of its mean round time over the prompts (route, draft,
+verify, commit; not the drafter's prefill of the prompt in the first round, nor catch-up, 1-2% of a round in steady
+decoding). With EAGLE-3's probability floor its tree, and so its round, is bigger where it is sure: on the code prompt
+alone the calibration put its round at 1.11x DFlash's where the bench measured 1.06x; with both prompts 1.08-1.09x
+(2026-12-04, Intel Xeon with AMX, 2 threads, reps 9). About 7-10 s for SmolLM2-135M on one loaded CPU
 thread. The costs are used only as ratios (rate = tokens / seconds); on a loaded 2-core machine these calibrations
 gave EAGLE-3 : ar ratios of 2.5-3.0 and DFlash : ar 1.8-2.0 from run to run (the bench's 30-run means: 2.4, 1.7).
 Costs grow with the context length and the tree; the calibration fixes both at a short prompt and the default tree
@@ -41,7 +44,10 @@ from whiflash_trt.config import AR, DFLASH, EAGLE3, DFlashTreeConfig, Generation
 from whiflash_trt.runtime.device import cpu_model
 from whiflash_trt.spec.router import NO_DRAFT
 
-CALIBRATION_PROMPT = "Write a short Python function that returns the sum of a list of numbers, then explain it."
+# a drafter's round costs more where it drafts a bigger tree (EAGLE-3 with a probability floor: where it is sure), so
+# the calibration decodes one prompt where the drafters are sure (code) and one where they are not (open prose)
+CALIBRATION_PROMPTS = ("Write a short Python function that returns the sum of a list of numbers, then explain it.",
+                       "Describe a walk through a city park on an autumn morning.")
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "round-costs"
 
 
@@ -52,7 +58,7 @@ def calibration_key(engine) -> str:
             "device": str(engine.device), "threads": torch.get_num_threads(), "cpu": cpu_model(),
             "gemm": kernels.gemm() if kernels.registered() else None,
             "trees": [repr(TreeConfig()), repr(DFlashTreeConfig()), DFlashTreeConfig.DEFAULT_NODES],
-            "version": __version__, "prompt": CALIBRATION_PROMPT}
+            "version": __version__, "prompts": CALIBRATION_PROMPTS}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -82,18 +88,18 @@ def cached_round_seconds(engine, cache_dir: Path | None = DEFAULT_CACHE) -> dict
 
 def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_tokens: int = 4) -> dict[str, float]:
     """{NO_DRAFT and each drafter the engine holds: seconds per round} (see the module docstring)."""
-    ids = engine.encode(CALIBRATION_PROMPT)
+    prompts = [engine.encode(prompt) for prompt in CALIBRATION_PROMPTS]
     modes = {choice: mode for choice, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH))
              if choice == NO_DRAFT or choice in engine.proposers}
     for mode in modes.values():
-        engine.generate(ids, GenerationConfig(max_new_tokens=warmup_tokens, ignore_eos=True),
+        engine.generate(prompts[0], GenerationConfig(max_new_tokens=warmup_tokens, ignore_eos=True),
                         spec=SpecConfig(mode=mode))
     samples: dict[str, list[float]] = {choice: [] for choice in modes}
     for _ in range(reps):
-        for choice, mode in modes.items():
-            stats = engine.generate(ids, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True),
-                                    spec=SpecConfig(mode=mode)).stats
-            samples[choice].append(steady_seconds_per_round(stats))
+        for choice, mode in modes.items():   # a repetition's cost: the mean over the prompts
+            samples[choice].append(statistics.fmean(steady_seconds_per_round(engine.generate(
+                ids, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True), spec=SpecConfig(mode=mode)).stats)
+                for ids in prompts))
     return {choice: statistics.median(xs) for choice, xs in samples.items()}
 
 

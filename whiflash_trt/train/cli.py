@@ -239,7 +239,8 @@ def _eval(sub) -> None:
     p.add_argument("--per-category", type=int, default=3, help="validation prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt and mode")
     p.add_argument("--modes", default=None, help="comma-separated: ar,eagle3,dflash,whiflash-entropy,whiflash-neural")
-    p.add_argument("--tree", default=None, help="EAGLE-3 tree as TOP_K,DEPTH,TOTAL_TOKENS (default: the runtime's)")
+    p.add_argument("--tree", default=None, help="EAGLE-3 tree as TOP_K,DEPTH,TOTAL_TOKENS[,MIN_PROB] (default: the "
+                                                "runtime's; without MIN_PROB, the runtime's probability floor)")
     p.add_argument("--dflash-tree-total-tokens", type=int, default=None,
                    help="DFlash tree (DDTree): nodes verified per round, root included (default: the runtime's)")
     p.add_argument("--dflash-tree-top-k", type=int, default=None,
@@ -267,13 +268,18 @@ def _run_eval(args) -> None:
     engine = make_engine(target, tokenizer, args.eagle3, args.dflash, args.router)
     tree = TreeConfig()
     if args.tree:
+        parts = args.tree.split(",")
         try:
-            values = [int(x) for x in args.tree.split(",")]
+            values = [int(x) for x in parts[:3]] + [float(x) for x in parts[3:]]
         except ValueError:
             values = []
-        if len(values) != 3:
-            raise SystemExit(f"--tree wants TOP_K,DEPTH,TOTAL_TOKENS (three integers), got {args.tree!r}")
-        tree = TreeConfig(*values)
+        if len(values) not in (3, 4):
+            raise SystemExit(f"--tree wants TOP_K,DEPTH,TOTAL_TOKENS[,MIN_PROB] (three integers, then a probability), "
+                             f"got {args.tree!r}")
+        try:
+            tree = TreeConfig(*values)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     try:
         dflash_tree = DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k)
     except ValueError as e:
