@@ -186,7 +186,7 @@ class _TreeSearch:
         self.level = [first + b for b in best]
         self.level_hidden = out[[b // k for b in best]]
 
-    def tree(self, total_tokens: int, min_prob: float = 0.0) -> DraftTree:
+    def tree(self, total_tokens: int, min_prob: float) -> DraftTree:
         chosen = select_nodes(self.scores, self.depths, total_tokens - 1, min_prob)
         index = {c: i + 1 for i, c in enumerate(chosen)}
         return DraftTree([self.seq.pending] + [self.tokens[c] for c in chosen],

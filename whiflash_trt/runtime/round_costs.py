@@ -8,11 +8,12 @@ alike, and a choice's cost is the median over repetitions of its mean round time
 verify, commit; not the drafter's prefill of the prompt in the first round, nor catch-up, 1-2% of a round in steady
 decoding). With EAGLE-3's probability floor its tree, and so its round, is bigger where it is sure: on the code prompt
 alone the calibration put its round at 1.11x DFlash's where the bench measured 1.06x; with both prompts 1.08-1.09x
-(2026-12-04, Intel Xeon with AMX, 2 threads, reps 9). About 7-10 s for SmolLM2-135M on one loaded CPU
-thread. The costs are used only as ratios (rate = tokens / seconds); on a loaded 2-core machine these calibrations
-gave EAGLE-3 : ar ratios of 2.5-3.0 and DFlash : ar 1.8-2.0 from run to run (the bench's 30-run means: 2.4, 1.7).
-Costs grow with the context length and the tree; the calibration fixes both at a short prompt and the default tree
-(a documented limitation). Engine.round_seconds can be set by a caller that measured better ones.
+(2026-12-04, Intel Xeon with AMX, 2 threads, reps 9). The calibration at load (reps 3, both prompts) took 1.7 s for
+SmolLM2-135M there (an earlier measurement: 7-10 s on one loaded CPU thread, one prompt). The costs are used
+only as ratios (rate = tokens / seconds); on a loaded 2-core machine these calibrations gave EAGLE-3 : ar ratios
+of 2.5-3.0 and DFlash : ar 1.8-2.0 from run to run (the bench's 30-run means: 2.4, 1.7). Costs grow with the
+context length and the tree; the calibration fixes both at short prompts and the default tree (a documented
+limitation). Engine.round_seconds can be set by a caller that measured better ones.
 
 Known bias (measured 2026-12-01, AMD EPYC, 2 threads): this calibration gave none / EAGLE-3 / DFlash 10.7 / 14.5 /
 12.8 ms where the bench's rounds (contexts of ~150-400 tokens, catch-up included) took 12.0 / 19.1 / 16.6, so it
