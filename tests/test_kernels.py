@@ -183,7 +183,7 @@ def test_swiglu_equals_silu_to_the_bit_for_every_finite_bf16_gate(gemm):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))   # to the bit: the sign of a zero as well
 
 
-@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])   # 3: threads that share a normalisation split the rows unevenly
 @pytest.mark.parametrize("silu", [False, True])
 def test_linear_norm_rows_do_not_depend_on_the_call(gemm, num_threads, silu):
     x, delta, norm, w = norm_case(37)

@@ -117,7 +117,7 @@ class Task {
   Task(const Call& call, int run, int64_t kv, int64_t tile, Buffers& buffers)
       : c_(call), run_(run), kv_(kv), first_col_(tile * kCols),
         cols_(std::min<int64_t>(kCols, call.rows * call.group - tile * kCols)), ld_((call.width + kChunk) / kChunk *
-        kChunk), scores_(buffers.scores), p_(buffers.p), passes_(buffers.passes), chunks_(buffers.chunks) {
+        kChunk), buffers_(buffers), passes_(buffers.passes), chunks_(buffers.chunks) {
     passes_.clear();
     chunks_.clear();
   }
@@ -131,13 +131,13 @@ class Task {
       if (from_[n] < to_[n]) lo_ = std::min(lo_, from_[n]), hi_ = std::max(hi_, to_[n]);
     }
     if (lo_ >= hi_) return;
-    scores_.resize(kCols * ld_);
-    p_.resize(kCols * ld_);
+    scores_ = aligned64(buffers_.scores, kCols * ld_);
+    p_ = aligned64(buffers_.p, kCols * ld_);
     // a column's p is zero over the chunks' keys outside its run (softmax writes the rest); the columns past cols_
     // only give C rows that are never read
     const int64_t end = lo_ + (hi_ - lo_ + kChunk - 1) / kChunk * kChunk;
     for (int n = 0; n < cols_; ++n) {
-      uint16_t* pn = p_.data() + n * ld_;
+      uint16_t* pn = p_ + n * ld_;
       if (from_[n] >= to_[n]) {
         std::memset(pn + lo_, 0, (end - lo_) * sizeof(uint16_t));
         continue;
@@ -323,28 +323,28 @@ class Task {
       for (uint32_t m = columns; m; m &= m - 1) {
         const int col = __builtin_ctz(m);
         const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(down, _mm512_set1_epi32(col)), c, 4);
-        _mm512_storeu_ps(scores_.data() + col * ld_ + j0, _mm512_mul_ps(x, scale));
+        _mm512_storeu_ps(scores_ + col * ld_ + j0, _mm512_mul_ps(x, scale));
       }
     } else {
       __m512 t[16];
       transpose16(c, t);
       for (uint32_t m = columns; m; m &= m - 1) {
         const int col = __builtin_ctz(m);
-        _mm512_storeu_ps(scores_.data() + col * ld_ + j0, _mm512_mul_ps(t[col], scale));
+        _mm512_storeu_ps(scores_ + col * ld_ + j0, _mm512_mul_ps(t[col], scale));
       }
     }
   }
 
   // Column n's max and weights (exp_weights: p as bf16, the sum of the rounded p) from its run's start
   void softmax(int n, float& top, float& total) {
-    float* s = scores_.data() + n * ld_;
+    float* s = scores_ + n * ld_;
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (int64_t j = from_[n]; j < to_[n]; j += 16) {
       const __mmask16 m = lanes(to_[n] - j);
       best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, s + j));
     }
     top = _mm512_reduce_max_ps(best);
-    total = exp_weights(s + from_[n], to_[n] - from_[n], top, p_.data() + n * ld_ + from_[n]);
+    total = exp_weights(s + from_[n], to_[n] - from_[n], top, p_ + n * ld_ + from_[n]);
   }
 
   // dims d0 .. d0 + 63 of every column's sum_j p_j v_j into acc[column][dim]
@@ -378,12 +378,12 @@ class Task {
       _mm512_store_si512(pairs[2][t], _mm512_unpacklo_epi16(a1, b1));
       _mm512_store_si512(pairs[3][t], _mm512_unpackhi_epi16(a1, b1));
     }
-    const uint16_t* p = p_.data() + k0;
+    const uint16_t* p = p_ + k0;
     int64_t ldp = ld_ * sizeof(uint16_t);
     alignas(64) uint16_t staged[16][kChunk];
     if (!alone) {   // the members' p, zero for the other columns
       for (int n = 0; n < kCols; ++n) {
-        if (pass.columns >> n & 1) std::memcpy(staged[n], p_.data() + n * ld_ + k0, sizeof(staged[n]));
+        if (pass.columns >> n & 1) std::memcpy(staged[n], p_ + n * ld_ + k0, sizeof(staged[n]));
         else std::memset(staged[n], 0, sizeof(staged[n]));
       }
       p = staged[0], ldp = sizeof(staged[0]);
@@ -405,8 +405,9 @@ class Task {
   const int64_t kv_, first_col_;
   const int cols_;
   const int64_t ld_;
-  std::vector<float>& scores_;
-  std::vector<uint16_t>& p_;
+  Buffers& buffers_;
+  float* scores_ = nullptr;   // buffers_'s, from a 64-byte boundary (p_'s rows are a tile's)
+  uint16_t* p_ = nullptr;
   int64_t from_[kCols], to_[kCols], lo_ = 0, hi_ = 0;
   std::vector<Pass>& passes_;
   std::vector<size_t>& chunks_;
