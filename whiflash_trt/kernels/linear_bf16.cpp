@@ -203,6 +203,7 @@ inline void amx_step(const uint16_t* xk, int64_t xstride, const int32_t* wk) {
   if constexpr (A == 4) WHIFLASH_AMX_STEP(4);
   else WHIFLASH_AMX_STEP(5);
 }
+#undef WHIFLASH_AMX_STEP
 
 // Tiles C 0 .. Tiles-1: the block's outputs 16 (first + t) .. + 15, t < Tiles, for `rows` rows of x. The weight's
 // step of 16 pairs is 4 KB, 64-byte line 4 p + j holding pair p of outputs 16 j .. 16 j + 15: a thread that owns
