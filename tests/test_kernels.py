@@ -185,10 +185,13 @@ def test_swiglu_equals_silu_to_the_bit_for_every_finite_bf16_gate(gemm):
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3])   # 3: threads that share a normalisation split the rows unevenly
 @pytest.mark.parametrize("silu", [False, True])
-def test_linear_norm_rows_do_not_depend_on_the_call(gemm, num_threads, silu):
+@pytest.mark.parametrize("narrow", [False, True])   # outputs for 1-3 units of work: fewer than the threads
+def test_linear_norm_rows_do_not_depend_on_the_call(gemm, num_threads, silu, narrow):
     x, delta, norm, w = norm_case(37)
+    if narrow:   # SwiGLU: 32 gate and their 32 up outputs (one block); else 48 outputs (three 16-output tiles)
+        w = torch.cat([w[:32], w[1536:1568]]) if silu else w[:48]
     packed = kernels.pack_gate_up(w) if silu else kernels.pack_weight(w)
-    out = 1536 if silu else 3072
+    out = w.shape[0] // 2 if silu else w.shape[0]
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
