@@ -4,6 +4,12 @@ is the median of its per-round ratios. bf16 times the engine's target as it runs
 backend where it was built); fp32 the torch modules.
 
     python scripts/bench_target_step.py [--engine DIR] [--context 256] [--rounds 7] [--iters 10] [--threads N]
+        [--generate N]
+
+With --generate N it then decodes N held-out prompts per category (96 new tokens, greedy, chat template) with the
+engine's `ar` mode and with transformers' generate() on the same bf16 weights, alternated per prompt, and prints the
+time ratio per prompt and its median (and whether the two outputs are token-equal: in bf16 the kernels round
+otherwise than transformers' eager ops, so they may part at a near-tie; losslessness is measured against `ar`).
 """
 from __future__ import annotations
 
@@ -73,6 +79,34 @@ def compare(runner, hf, seq, prompt: list[int], dtype: torch.dtype, args) -> Non
               f"{speedup:8.2f}x {rel:10.2f}x")
 
 
+def compare_generate(engine, ckpt, prompts_per_category: int) -> None:
+    """`ar` decoding against transformers' generate on held-out prompts, alternated per prompt (bf16, greedy)."""
+    from whiflash_trt.bench.prompts import held_out_prompts
+    from whiflash_trt.config import AR, GenerationConfig, SpecConfig
+
+    hf = hf_model(ckpt, torch.bfloat16)
+    spec, gen = SpecConfig(mode=AR), GenerationConfig(max_new_tokens=96)
+    prompts = [engine.encode(p.prompt, chat=True) for p in held_out_prompts(prompts_per_category)]
+    engine.generate(prompts[0], GenerationConfig(max_new_tokens=8), spec=spec)   # warm-up, both
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
+    ratios, equal = [], 0
+    print("ar against transformers' generate (bf16, greedy, 96 new tokens)")
+    for ids in prompts:
+        t = time.perf_counter()
+        ours = engine.generate(ids, gen, spec=spec).token_ids
+        t_ours = time.perf_counter() - t
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=len(ours), min_new_tokens=len(ours),
+                              do_sample=False)
+            t_hf = time.perf_counter() - t
+        equal += out[0, len(ids):].tolist() == ours
+        ratios.append(t_hf / t_ours)
+        print(f"  {len(ids):4d} prompt tokens: ours {t_ours:.3f} s, transformers {t_hf:.3f} s ({ratios[-1]:.2f}x)")
+    print(f"median {statistics.median(ratios):.2f}x over {len(ratios)} prompts; {equal} token-equal")
+
+
 def main() -> None:
     from whiflash_trt.bench.environment import default_engine_dir
     from whiflash_trt.builder.sources import load_checkpoint, resolve_target
@@ -87,6 +121,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--engine", help="bf16 engine of smollm2-135m to time (default: the embedded one)")
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="then `ar` against transformers' generate on N held-out prompts per category")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -104,6 +140,8 @@ def main() -> None:
         hf = hf_model(ckpt, dtype)
         with engine.scratch_sequence(prompt, args.context + 32) as seq:
             compare(engine.runner, hf, seq, prompt, dtype, args)
+        if dtype == torch.bfloat16 and args.generate:
+            compare_generate(engine, ckpt, args.generate)
 
 
 if __name__ == "__main__":
