@@ -79,12 +79,12 @@ def compare(runner, hf, seq, prompt: list[int], dtype: torch.dtype, args) -> Non
               f"{speedup:8.2f}x {rel:10.2f}x")
 
 
-def compare_generate(engine, ckpt, prompts_per_category: int) -> None:
-    """`ar` decoding against transformers' generate on held-out prompts, alternated per prompt (bf16, greedy)."""
+def compare_generate(engine, hf, prompts_per_category: int) -> None:
+    """`ar` decoding against transformers' generate (hf: the bf16 model) on held-out prompts, alternated per prompt
+    (greedy)."""
     from whiflash_trt.bench.prompts import held_out_prompts
     from whiflash_trt.config import AR, GenerationConfig, SpecConfig
 
-    hf = hf_model(ckpt, torch.bfloat16)
     spec, gen = SpecConfig(mode=AR), GenerationConfig(max_new_tokens=96)
     prompts = [engine.encode(p.prompt, chat=True) for p in held_out_prompts(prompts_per_category)]
     engine.generate(prompts[0], GenerationConfig(max_new_tokens=8), spec=spec)   # warm-up, both
@@ -141,7 +141,7 @@ def main() -> None:
         with engine.scratch_sequence(prompt, args.context + 32) as seq:
             compare(engine.runner, hf, seq, prompt, dtype, args)
         if dtype == torch.bfloat16 and args.generate:
-            compare_generate(engine, ckpt, args.generate)
+            compare_generate(engine, hf, args.generate)
 
 
 if __name__ == "__main__":
