@@ -83,7 +83,7 @@ def unpack_int8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-def test_int8_weight_matches_its_dequantised_linear_to_one_rounding(out_features, in_features):
+def test_int8_weight_matches_its_dequantised_linear_to_one_rounding(gemm, out_features, in_features):
     w, _ = weights(out_features, in_features, bias=False)
     packed = kernels.pack_int8(w)
     assert packed.dtype == torch.int8 and packed.shape == ((out_features + 63) // 64, in_features + 4, 64)
@@ -91,16 +91,18 @@ def test_int8_weight_matches_its_dequantised_linear_to_one_rounding(out_features
     # the quantisation: per row, the largest weight at +-127 and every weight within half a step
     assert torch.equal(q.abs().amax(1), torch.full((out_features,), 127, dtype=torch.int8))
     assert (q.double() * scale.double()[:, None] - w.double()).abs().le(scale.double()[:, None] / 2 * 1.001).all()
-    x = torch.randn(7, in_features).bfloat16()
-    got = kernels.linear(x, packed, None, out_features)
-    assert got.dtype == torch.bfloat16 and got.shape == (7, out_features)
-    want = (x.double() @ q.double().T) * scale.double()
-    # one bf16 rounding plus fp32 accumulation error (the products are exact; their sum cancels, hence the atol)
-    assert torch.allclose(got.double(), want, rtol=2 ** -8, atol=1e-5 * in_features ** 0.5 * scale.max().item() * 127)
+    for rows in (3, 7):   # 7: the AMX loop's tiles (from 5 rows), where the process's loop is AMX
+        x = torch.randn(rows, in_features).bfloat16()
+        got = kernels.linear(x, packed, None, out_features)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        want = (x.double() @ q.double().T) * scale.double()
+        # one bf16 rounding plus fp32 accumulation error (the products are exact; their sum cancels, hence the atol)
+        assert torch.allclose(got.double(), want, rtol=2 ** -8,
+                              atol=1e-5 * in_features ** 0.5 * scale.max().item() * 127)
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_int8_rows_do_not_depend_on_the_call(num_threads):
+def test_int8_rows_do_not_depend_on_the_call(gemm, num_threads):
     w, _ = weights(200, 576, bias=False)
     packed = kernels.pack_int8(w)
     x = torch.randn(13, 576).bfloat16()
@@ -186,11 +188,12 @@ def test_swiglu_equals_silu_to_the_bit_for_every_finite_bf16_gate(gemm):
 @pytest.mark.parametrize("num_threads", [1, 2, 3])   # 3: threads that share a normalisation split the rows unevenly
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("narrow", [False, True])   # outputs for 1-3 units of work: fewer than the threads
-def test_linear_norm_rows_do_not_depend_on_the_call(gemm, num_threads, silu, narrow):
+@pytest.mark.parametrize("int8", [False, True])     # a drafter's layers: an int8 weight (AMX: widened into tiles)
+def test_linear_norm_rows_do_not_depend_on_the_call(gemm, num_threads, silu, narrow, int8):
     x, delta, norm, w = norm_case(37)
     if narrow:   # SwiGLU: 32 gate and their 32 up outputs (one block); else 48 outputs (three 16-output tiles)
         w = torch.cat([w[:32], w[1536:1568]]) if silu else w[:48]
-    packed = kernels.pack_gate_up(w) if silu else kernels.pack_weight(w)
+    packed = kernels.pack_gate_up(w, int8) if silu else kernels.pack_int8(w) if int8 else kernels.pack_weight(w)
     out = w.shape[0] // 2 if silu else w.shape[0]
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
@@ -205,6 +208,40 @@ def test_linear_norm_rows_do_not_depend_on_the_call(gemm, num_threads, silu, nar
         torch.set_num_threads(before)
 
 
+def integer_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """bf16 integers in [-127, 127], every row reaching 127: pack_int8 quantises it to itself, with scale 1"""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-127, 128, (out_features, in_features), generator=g)
+    w[:, 0] = 127
+    return w.bfloat16()
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_int8_linear_norm_is_the_bf16_gemm_of_its_integers(gemm, silu):
+    """An int8 weight (a drafter's layers: linear_norm with the norm, the residual add and SwiGLU) adds the products of
+    the bf16 weight of the same integers: with scale 1, the same bits as the bf16 GEMM in the FMA and AMX loops (the
+    same products in the same order; the AMX loop widens the int8 weight into its tiles from 5 rows, fewer rows run
+    the int8 FMA loop), and within a rounding of it in the DOT loop (which pairs its products otherwise)."""
+    x, delta, norm, _ = norm_case(20)
+    w = integer_weight(3072, 576)
+    q, scale = unpack_int8(kernels.pack_int8(w), 3072)
+    assert torch.equal(q.bfloat16(), w) and torch.equal(scale, torch.ones(3072))
+    out = 1536 if silu else 3072
+    pack = kernels.pack_gate_up if silu else lambda weight, int8=False: (
+        kernels.pack_int8(weight) if int8 else kernels.pack_weight(weight))
+    int8, bf16 = pack(w, int8=True), pack(w)
+    assert int8.dtype == torch.int8
+    x = x / 64   # sums of integer products stay within a few thousand: bf16 outputs of some resolution
+    for rows in (1, 3, 5, 8, 16, 20):
+        got, h = kernels.linear_norm(x[:rows], delta[:rows], norm.weight, norm.eps, int8, None, out, silu)
+        want, h_want = kernels.linear_norm(x[:rows], delta[:rows], norm.weight, norm.eps, bf16, None, out, silu)
+        assert torch.equal(h, h_want)
+        if gemm == "dot":
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+        else:
+            assert torch.equal(got, want), f"{rows} rows"
+
+
 def test_linear_norm_rejects_what_it_cannot_compute():
     x, delta, norm, w = norm_case(2)
     with pytest.raises(RuntimeError, match="a delta needs a norm_weight"):
@@ -215,6 +252,12 @@ def test_linear_norm_rejects_what_it_cannot_compute():
         kernels.linear_norm(x, None, None, 0.0, kernels.pack_gate_up(w), torch.zeros(3072), 1536, silu=True)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.linear_norm(x, None, None, 0.0, kernels.pack_weight(w[:2 * 1000]), None, 1000, silu=True)
+    with pytest.raises(RuntimeError, match="int8 weight .* takes no bias"):
+        kernels.linear_norm(x, None, None, 0.0, kernels.pack_int8(w), torch.zeros(3072), 3072)
+    with pytest.raises(RuntimeError, match="features, the weight"):
+        kernels.linear_norm(x[:, :512], None, None, 0.0, kernels.pack_int8(w), None, 3072)
+    with pytest.raises(RuntimeError, match=r"int32 \(kernels.pack_weight\)$"):   # linear_bf16: no int8
+        torch.ops.whiflash.linear_bf16(x, kernels.pack_int8(w), None, 3072)
 
 
 def test_frozen_linear_runs_on_the_kernel_only_when_asked():

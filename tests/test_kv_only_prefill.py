@@ -64,16 +64,22 @@ def test_custom_op_is_registered_and_matches_reference():
 
 @pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dflash-int8"])
 def test_fused_drafters_write_the_contracts_kv_with_the_kernel(kind, dtype):
     """A fused drafter's write_kv_only runs kernels/kv_prefill.cpp (packed weights, straight into the pools): the
-    K/V of the contract's reference up to the order of sums (fp32), or up to a bf16 rounding of it (bf16); slots
-    it was not given keep their values."""
+    K/V of the contract's reference up to the order of sums (fp32), or up to a bf16 rounding of it (bf16), or, over
+    DFlash's int8 weights (bf16 ones quantised per output row), up to their quantisation; slots it was not given
+    keep their values."""
     make = make_eagle3 if kind == "eagle3" else make_dflash
     drafter = make(TARGET).eval().to(dtype)
-    drafter.fuse_projections()
+    if kind == "eagle3":
+        drafter.fuse_projections()
+    else:
+        drafter.fuse_projections(int8=kind == "dflash-int8")
     assert drafter.kv_prefill is not None
-    t, layers = 7, len(drafter.layers) if kind == "dflash" else 1
+    int8 = kind == "dflash-int8" and dtype == torch.bfloat16
+    assert (drafter.kv_prefill.fc.dtype == torch.int8) == int8
+    t, layers = 7, len(drafter.layers) if kind != "eagle3" else 1
     torch.manual_seed(2)
     feats = torch.randn(t, len(drafter.config.capture_layers) * 64).to(dtype)
     embeds = torch.randn(t, 64).to(dtype)
@@ -83,7 +89,7 @@ def test_fused_drafters_write_the_contracts_kv_with_the_kernel(kind, dtype):
     with torch.no_grad():
         k, v = drafter.kv_only(*args)
         drafter.write_kv_only(*args, k_pool, v_pool, slots)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    tol = 2 ** -4 if int8 else 1e-5 if dtype == torch.float32 else 2 ** -7
     for ref, pool in ((k, k_pool), (v, v_pool)):
         got = pool[:, slots].float()
         assert ((got - ref.float()).abs() <= tol * (1 + ref.float().abs())).all()

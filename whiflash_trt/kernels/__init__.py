@@ -310,31 +310,45 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, scales], 1).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+           many_rows: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, out_features] in x's dtype (bf16 over a packed bf16 or int8 weight, fp32 over an fp32 one);
-    bias fp32 or None (none with an int8 weight)."""
+    bias fp32 or None (none with an int8 weight). An int8 weight runs linear_i8, the int8 loop that is fastest for
+    the few rows of an LM head on every CPU, or, `many_rows` (a drafter's layers), the process's GEMM loop
+    (linear_norm without a norm: AMX tiles where that is the loop). Either way a row does not depend on the call."""
     if packed.dtype == torch.int8:
         if bias is not None:
             raise ValueError("an int8 weight (pack_int8) takes no bias")
+        if many_rows:
+            return linear_norm(x, None, None, 0.0, packed, None, out_features)[0]
         return torch.ops.whiflash.linear_i8(x, packed, out_features)
     if packed.dtype == torch.float32:
         return torch.ops.whiflash.linear_fp32(x, packed, bias, out_features)
     return torch.ops.whiflash.linear_bf16(x, packed, bias, out_features)
 
 
-def pack_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+def pack_gate_up(gate_up: torch.Tensor, int8: bool = False) -> torch.Tensor:
     """A SwiGLU's bf16 [gate; up] weight [2I, K] packed for linear_norm(silu=True): each block of 64 outputs holds
-    32 gate outputs, then the same 32 of up (I a multiple of 32)."""
+    32 gate outputs, then the same 32 of up (I a multiple of 32); in bf16 pairs (pack_weight) or, `int8`, quantised
+    per output row (pack_int8)."""
     gate, up = gate_up.detach().view(2, -1, 32, gate_up.shape[1])
-    return pack_weight(torch.stack([gate, up], dim=1).reshape(gate_up.shape))
+    blocks = torch.stack([gate, up], dim=1).reshape(gate_up.shape)
+    return pack_int8(blocks) if int8 else pack_weight(blocks)
+
+
+def int8_layers_pay() -> bool:
+    """A drafter's layers run faster over int8 weights (pack_int8) than over bf16 ones here: the process's GEMM loop
+    is AMX, which widens int8 weights into its bf16 tiles (linear_bf16.cpp amx_block) and so reads half the bytes at
+    any row count; the other loops' int8 rows multiply on FMAs and are slower than bf16 from 3 rows on."""
+    return registered() and gemm() == "amx"
 
 
 def linear_norm(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
                 packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                 silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's norm and the GEMM after it in one call (bf16): h = x + delta (x without delta), y = linear(
-    RMSNorm(h) * norm_weight) [M, out_features] -> (y, h). With `silu`, packed is pack_gate_up's and y the SwiGLU
-    of its gate and up outputs. Without norm_weight (and delta), y = linear(x) and h is empty ([0, K]). Rounds as
+    RMSNorm(h) * norm_weight) [M, out_features] -> (y, h); packed is pack_weight's or, without bias, pack_int8's. With
+    `silu`, packed is pack_gate_up's and y the SwiGLU of its gate and up outputs. Without norm_weight (and delta), y = linear(x) and h is empty ([0, K]). Rounds as
     the torch modules do (kernels/rows.h)."""
     return torch.ops.whiflash.linear_norm_bf16(x, delta, norm_weight, eps, packed, bias, out_features, silu)
 

@@ -7,9 +7,10 @@
 //   [k | v] = x @ kv^T  (kv: every layer's k_proj, then every layer's v_proj, one packed weight)
 //   k = rope(rms_per_head(k) * k_norm[layer])  (k_norm absent: no norm);  pools[layer][slot[t]] = k, v
 //
-// The GEMMs are whiflash::linear_bf16 / linear_fp32; the elementwise steps round to the dtype where the reference's
-// torch ops do (RMSNorm: normalise in fp32, round, times the weight, round; RoPE: k*cos and rot(k)*sin each rounded,
-// then their sum), so they differ from the reference only by the order of the GEMMs' and norms' sums.
+// The GEMMs are whiflash::linear_bf16 / linear_fp32 (linear_norm_bf16 over int8 weights, a drafter's where they
+// pay); the elementwise steps round to the dtype where the reference's torch ops do (RMSNorm: normalise in fp32,
+// round, times the weight, round; RoPE: k*cos and rot(k)*sin each rounded, then their sum), so they differ from the
+// reference only by the order of the GEMMs' and norms' sums (and an int8 weight's quantisation).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -28,8 +30,15 @@ inline float rounded(float x) {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
+  using Opt = c10::optional<at::Tensor>;
+  using NormFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const Opt&, const Opt&, double,
+                                                    const at::Tensor&, const Opt&, int64_t, bool);
   static auto bf16 = c10::Dispatcher::singleton().findSchemaOrThrow("whiflash::linear_bf16", "").typed<Fn>();
   static auto fp32 = c10::Dispatcher::singleton().findSchemaOrThrow("whiflash::linear_fp32", "").typed<Fn>();
+  // int8 (kernels.pack_int8): the process's loop, as a drafter's layers run it (linear_norm_bf16 without a norm)
+  static auto int8 = c10::Dispatcher::singleton().findSchemaOrThrow("whiflash::linear_norm_bf16", "").typed<NormFn>();
+  if (packed.scalar_type() == at::kChar)
+    return std::get<0>(int8.call(x, c10::nullopt, c10::nullopt, 0.0, packed, c10::nullopt, out_features, false));
   return (packed.scalar_type() == at::kInt ? bf16 : fp32).call(x, packed, c10::nullopt, out_features);
 }
 

@@ -1,7 +1,7 @@
 // whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX-512 BF16 CPUs;
 // whiflash::linear_norm_bf16: the same GEMM with a decoder layer's residual add and RMSNorm before it and SwiGLU
-// after it (rows.h); whiflash::linear_i8: the same few-row GEMM over an int8 weight quantised per output row (a
-// drafter's LM head; i8_rows below).
+// after it (rows.h), over a bf16 weight or an int8 one quantised per output row (a drafter's layers); whiflash::linear_i8:
+// the few-row GEMM over such an int8 weight (a drafter's LM head; i8_rows below).
 //
 // Why a kernel of our own: decode and verify stream every weight once per step, and oneDNN's bf16 GEMM streams them
 // well below the machine's read bandwidth, the more so the more rows (measured on this project's Xeon, 2 threads:
@@ -60,6 +60,21 @@ namespace {
 constexpr int64_t kBlock = 64;  // outputs per packed block: four zmm of fp32 accumulators
 constexpr int kTileRows = 6;    // rows of x per pass over a block: 24 accumulators + 2 weights + a mask in 32 zmm
 constexpr int kPairRows = 1;    // rows of x up to which two blocks are walked side by side
+constexpr int64_t kScaleRows = 4;   // an int8 block's 64 fp32 scales = 4 rows of 64 int8 (i8_rows)
+
+// A packed weight as the loops read it: bf16 pairs (kernels.pack_weight: [N/64, K/2, 64] int32) or int8 rows and
+// their scales (kernels.pack_int8: [N/64, K + 4, 64] int8, see i8_rows)
+struct Weight {
+  const int32_t* pairs = nullptr;
+  const int8_t* q = nullptr;
+  int64_t k = 0;   // in_features
+
+  bool int8() const { return q != nullptr; }
+  const void* block(int64_t blk) const {
+    return q ? static_cast<const void*>(q + blk * (k + kScaleRows) * kBlock)
+             : static_cast<const void*>(pairs + blk * (k / 2) * kBlock);
+  }
+};
 
 enum Variant : int64_t { kFma = 0, kDot = 1, kAmx = 2 };
 std::atomic<int64_t> g_variant{kFma};
@@ -206,34 +221,69 @@ inline void amx_step(const uint16_t* xk, int64_t xstride, const int32_t* wk) {
 }
 #undef WHIFLASH_AMX_STEP
 
-// Tiles C 0 .. Tiles-1: the block's outputs 16 (first + t) .. + 15, t < Tiles, for `rows` rows of x. The weight's
-// step of 16 pairs is 4 KB, 64-byte line 4 p + j holding pair p of outputs 16 j .. 16 j + 15: a thread that owns
-// some of a block's outputs reads (and prefetches) their lines only.
+// int8 (pack_int8): a step's 16 pairs, from the block's rows 2k .. 2k + 31, as the packed bf16 pairs of tiles first ..
+// first + Tiles - 1 in `to` ([16 pairs][64 outputs] int32). Q widened to fp32 is exact and, |Q| <= 127, has its low
+// 16 bits zero: its top half is its bf16 (exact too), and the pair (Q[n, 2k] low, Q[n, 2k + 1] high) one shift and
+// one OR.
 template <int Tiles>
-void amx_block(const uint16_t* x, int64_t ldx, int rows, const int32_t* w, int64_t pairs, int first,
+inline void widen_int8_step(const int8_t* q, int first, int32_t* to) {
+  auto wide = [](const int8_t* from) {
+    return _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)))));
+  };
+  for (int p = 0; p < kAmxPairs; ++p) {
+    const int8_t* even = q + 2 * p * kBlock;
+    for (int t = first; t < first + Tiles; ++t)
+      _mm512_store_si512(to + p * kBlock + 16 * t,
+                         _mm512_or_si512(_mm512_srli_epi32(wide(even + 16 * t), 16), wide(even + kBlock + 16 * t)));
+  }
+}
+
+// Tiles C 0 .. Tiles-1: the block's outputs 16 (first + t) .. + 15, t < Tiles, for `rows` rows of x. A bf16
+// weight's step of 16 pairs is 4 KB, 64-byte line 4 p + j holding pair p of outputs 16 j .. 16 j + 15: a thread that
+// owns some of a block's outputs reads (and prefetches) their lines only. An int8 weight's step (Int8) is 2 KB, 32
+// rows of the block's 64 outputs, widened into bf16 pairs (widen_int8_step) before its tiles load them; each lane
+// is scaled once its sum is done. The same products as over the bf16 weight of the dequantised Q (exact in bf16),
+// added in the same order: rows stay invariant to the call.
+template <int Tiles, bool Int8>
+void amx_block(const uint16_t* x, int64_t ldx, int rows, const void* w, int64_t pairs, int first,
                const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
   constexpr int64_t wstride = kBlock * sizeof(int32_t);
   const int64_t xstride = ldx * sizeof(uint16_t);
-  const int32_t* wj = w + 16 * first;
+  const int32_t* wj = static_cast<const int32_t*>(w) + 16 * first;
+  const int8_t* q = static_cast<const int8_t*>(w);
   _tile_zero(0);
   if constexpr (Tiles > 1) _tile_zero(1);
   if constexpr (Tiles > 2) _tile_zero(2);
   if constexpr (Tiles > 3) _tile_zero(3);
-  auto fetch = [&](int64_t k) {
-    const char* ahead = reinterpret_cast<const char*>(wj + k * kBlock) + 8192;   // two steps ahead, to L1
-    for (int p = 0; p < kAmxPairs; ++p)
-      for (int t = 0; t < Tiles; ++t) _mm_prefetch(ahead + wstride * p + 64 * t, _MM_HINT_T0);
+  auto fetch = [&](int64_t k) {   // two steps ahead, to L1
+    if constexpr (Int8) {
+      const char* ahead = reinterpret_cast<const char*>(q + 2 * (k + 2 * kAmxPairs) * kBlock);
+      for (int p = 0; p < 2 * kAmxPairs; ++p) _mm_prefetch(ahead + 64 * p, _MM_HINT_T0);
+    } else {
+      const char* ahead = reinterpret_cast<const char*>(wj + k * kBlock) + 8192;
+      for (int p = 0; p < kAmxPairs; ++p)
+        for (int t = 0; t < Tiles; ++t) _mm_prefetch(ahead + wstride * p + 64 * t, _MM_HINT_T0);
+    }
+  };
+  alignas(64) int32_t staged[Int8 ? kAmxPairs * kBlock : 1];
+  auto weights = [&](int64_t k) -> const int32_t* {   // the step's B tile rows, stride wstride
+    if constexpr (!Int8) return wj + k * kBlock;
+    whiflash::tile_memory_fence();   // after the last step's tile loads, which read `staged`
+    widen_int8_step<Tiles>(q + 2 * k * kBlock, first, staged);
+    whiflash::tile_memory_fence();
+    return staged + 16 * first;
   };
   int64_t k = 0;
   for (; k + 2 * kAmxPairs <= pairs; k += 2 * kAmxPairs) {
     fetch(k);
-    amx_step<Tiles, 4>(x + 2 * k, xstride, wj + k * kBlock);
+    amx_step<Tiles, 4>(x + 2 * k, xstride, weights(k));
     fetch(k + kAmxPairs);
-    amx_step<Tiles, 5>(x + 2 * (k + kAmxPairs), xstride, wj + (k + kAmxPairs) * kBlock);
+    amx_step<Tiles, 5>(x + 2 * (k + kAmxPairs), xstride, weights(k + kAmxPairs));
   }
   if (k < pairs) {
     fetch(k);
-    amx_step<Tiles, 4>(x + 2 * k, xstride, wj + k * kBlock);
+    amx_step<Tiles, 4>(x + 2 * k, xstride, weights(k));
   }
   alignas(64) float out[Tiles][kAmxRows * 16];
   _tile_stored(0, out[0], 64);
@@ -241,13 +291,20 @@ void amx_block(const uint16_t* x, int64_t ldx, int rows, const int32_t* w, int64
   if constexpr (Tiles > 2) _tile_stored(2, out[2], 64);
   if constexpr (Tiles > 3) _tile_stored(3, out[3], 64);
   whiflash::tile_memory_fence();
-  store_block(rows, [&](int r, int j) { return _mm512_load_ps(out[j] + r * 16); }, bias ? bias + 16 * first : nullptr,
-              y + 16 * first, ldy, std::min<int64_t>(cols - 16 * first, 16 * Tiles));
+  const float* scale = reinterpret_cast<const float*>(q + 2 * pairs * kBlock) + 16 * first;   // Int8 only
+  store_block(rows, [&](int r, int j) {
+    const __m512 sum = _mm512_load_ps(out[j] + r * 16);
+    if constexpr (Int8) return _mm512_mul_ps(sum, _mm512_loadu_ps(scale + 16 * j));
+    else return sum;
+  }, bias ? bias + 16 * first : nullptr, y + 16 * first, ldy, std::min<int64_t>(cols - 16 * first, 16 * Tiles));
 }
 
-using AmxBlockFn = void (*)(const uint16_t*, int64_t, int, const int32_t*, int64_t, int, const float*, uint16_t*,
+using AmxBlockFn = void (*)(const uint16_t*, int64_t, int, const void*, int64_t, int, const float*, uint16_t*,
                             int64_t, int64_t);
-constexpr AmxBlockFn kAmxBlocks[4] = {amx_block<1>, amx_block<2>, amx_block<3>, amx_block<4>};
+constexpr AmxBlockFn kAmxBlocks[2][4] = {{amx_block<1, false>, amx_block<2, false>, amx_block<3, false>,
+                                          amx_block<4, false>},
+                                         {amx_block<1, true>, amx_block<2, true>, amx_block<3, true>,
+                                          amx_block<4, true>}};
 
 // What linear_norm_bf16 folds into the GEMM (rows.h); nothing for linear_bf16
 struct Fused {
@@ -280,9 +337,10 @@ void wait_for(const std::atomic<int64_t>& count, int64_t target) {
 // (2 threads, 3 processes of each alternated, medians of 15 x 10 steps), against every thread normalising all rows:
 // 1.247-1.262x a decode step -> 1.220-1.253x. The buffers start cache lines (aligned64): at the heap's 16-byte
 // alignment (and with amx_block's older loop) the same step was 1.296-1.327x, 1.23-1.31x with the shared buffer.
-void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* w, int64_t pairs, const float* bias,
-                uint16_t* y, int64_t out_features, const Fused& f) {
+void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, const float* bias, uint16_t* y,
+                int64_t out_features, const Fused& f) {
   constexpr int64_t kTilesPerBlock = kBlock / 16;
+  const int64_t pairs = w.k / 2;
   const int64_t columns = f.silu ? 2 * out_features : out_features, unit = f.silu ? kTilesPerBlock : 1;
   const int64_t units = (columns + 16 * unit - 1) / (16 * unit);
   const bool shared = f.norm && rows >= kSharedNormRows;
@@ -314,14 +372,14 @@ void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* w, 
       for (int64_t r = 0; r < rows; r += kAmxRows) {
         const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r));
         if (n != configured) configure_tiles(n), configured = n;
-        const int32_t* wb = w + blk * pairs * kBlock;
+        const void* wb = w.block(blk);
         const float* bb = bias ? bias + col : nullptr;
         if (!f.silu) {
-          kAmxBlocks[last - first - 1](in + r * ld, ld, n, wb, pairs, first, bb, y + r * out_features + col,
-                                       out_features, cols);
+          kAmxBlocks[w.int8()][last - first - 1](in + r * ld, ld, n, wb, pairs, first, bb, y + r * out_features + col,
+                                                 out_features, cols);
           continue;
         }
-        amx_block<4>(in + r * ld, ld, n, wb, pairs, 0, bb, gate_up[0], kBlock, kBlock);
+        kAmxBlocks[w.int8()][3](in + r * ld, ld, n, wb, pairs, 0, bb, gate_up[0], kBlock, kBlock);
         for (int i = 0; i < n; ++i)
           whiflash::silu_mul32(gate_up[i], gate_up[i] + 32, y + (r + i) * out_features + col / 2);
       }
@@ -337,8 +395,10 @@ void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* w, 
 // Each output is one fp32 lane that adds x[m, k] * Q[n, k] for k = 0, 1, ... in order, then is scaled by s[n] and
 // rounded once to bf16: row-invariant as the loops above. The head of 8192 x 576 (Intel Xeon with AMX, 2 threads,
 // warm, medians of 200 calls): 189 -> 86 us at 1 row, 192 -> 129 at 3, 191 -> 152 at 4 against the bf16 weight
-// (from 3 rows on the widening and the FMAs, not the memory, set the pace).
-constexpr int64_t kScaleRows = 4;      // 64 fp32 scales = 4 rows of 64 int8
+// (from 3 rows on the widening and the FMAs, not the memory, set the pace). linear_i8 runs this loop on every CPU, at
+// every row count: on AMX tiles (amx_block's Int8) the same head took 123 us at 1 row and 125 at 4 (warm), and in
+// DFlash's rounds (4 rows) 0.42-0.44 ms against 0.37-0.38 here. linear_norm_bf16 over such a weight (a drafter's
+// layers, at 8 rows a block) takes the process's loop: on AMX 48 against 114 us here for 3072 x 576 at 8 rows.
 constexpr int64_t kI8Ahead = 4096;     // software prefetch distance in bytes: 64 steps of k
 
 template <int Rows>
@@ -394,47 +454,67 @@ void check_columns(const at::Tensor& packed, int64_t columns, const char* op) {
               ": out_features does not match the packed weight");
 }
 
-void check_weight(const at::Tensor& packed, int64_t in_features, int64_t columns, const char* op) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kBlock, op,
-              ": packed must be [N/64, K/2, 64] int32 (kernels.pack_weight)");
-  TORCH_CHECK(in_features == 2 * packed.size(1), op, ": x has ", in_features, " features, the weight ",
-              2 * packed.size(1));
+// The weight of a call, checked against x's K and the outputs: bf16 pairs (kernels.pack_weight) or, where the op
+// takes them, int8 rows (kernels.pack_int8); `packed` contiguous, and kept alive while the weight is read
+Weight packed_weight(const at::Tensor& packed, int64_t in_features, int64_t columns, bool int8_ok, const char* op) {
+  const bool int8 = int8_ok && packed.scalar_type() == at::kChar;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && (int8 || packed.scalar_type() == at::kInt), op,
+              ": packed must be [N/64, K/2, 64] int32 (kernels.pack_weight)",
+              int8_ok ? " or [N/64, K + 4, 64] int8 (kernels.pack_int8)" : "");
+  const int64_t k = int8 ? packed.size(1) - kScaleRows : 2 * packed.size(1);
+  TORCH_CHECK(in_features == k, op, ": x has ", in_features, " features, the weight ", k);
   check_columns(packed, columns, op);
+  Weight w;
+  w.k = k;
+  if (int8) w.q = packed.data_ptr<int8_t>();
+  else w.pairs = packed.data_ptr<int32_t>();
+  return w;
 }
 
-// The FMA and DOT loops: y [rows, columns] = x W^T (+ bias), x [rows, ldx] bf16
-void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const int32_t* wp, int64_t pairs, const float* bias,
-               uint16_t* y, int64_t columns, bool dot) {
+// The int8 loop: y [rows, columns] = x (s * Q)^T, x [rows, ldx] bf16 widened to fp32 (exact)
+void i8_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, uint16_t* y, int64_t columns) {
+  std::vector<float> xf(rows * ldx);
+  widen(x, xf.data(), static_cast<int64_t>(xf.size()));
+  whiflash::for_each_tile(columns, kBlock, rows, kTileRows, 0, [&](int64_t blk, int64_t, int64_t col, int64_t cols,
+                                                                   int64_t r, int64_t n) {
+    kI8Rows[n - 1](xf.data() + r * ldx, ldx, static_cast<const int8_t*>(w.block(blk)), w.k, y + r * columns + col,
+                   columns, cols);
+  });
+}
+
+// The FMA and DOT loops (or the int8 one): y [rows, columns] = x W^T (+ bias), x [rows, ldx] bf16
+void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, const float* bias, uint16_t* y,
+               int64_t columns, bool dot) {
+  if (w.int8()) return i8_gemm(x, ldx, rows, w, y, columns);
   // FMA: x widened to fp32 here (exact), not by aten: a dispatch and an allocation per call cost ~2.5 us, 121 calls
   // a step. DOT reads the bf16 pairs as they are.
   std::vector<float> xf(dot ? 0 : rows * ldx);
   if (!dot) widen(x, xf.data(), static_cast<int64_t>(xf.size()));
   const char* xp = dot ? reinterpret_cast<const char*>(x) : reinterpret_cast<const char*>(xf.data());
-  const int64_t x_row_bytes = ldx * (dot ? 2 : 4);
+  const int64_t x_row_bytes = ldx * (dot ? 2 : 4), pairs = w.k / 2;
   const Loops& loops = dot ? kDotLoops : kFmaLoops;
   whiflash::for_each_tile(columns, kBlock, rows, kTileRows, kPairRows, [&](int64_t blk, int64_t count, int64_t col,
                                                                            int64_t cols, int64_t r, int64_t n) {
     const BlockFn fn = count == 2 ? loops.pair : loops.rows[n - 1];
-    fn(xp + r * x_row_bytes, ldx, wp + blk * pairs * kBlock, pairs, bias ? bias + col : nullptr, y + r * columns + col,
-       columns, cols);
+    fn(xp + r * x_row_bytes, ldx, w.pairs + blk * pairs * kBlock, pairs, bias ? bias + col : nullptr,
+       y + r * columns + col, columns, cols);
   });
 }
 
 // y [rows, out_features] = x W^T (+ bias) on the process's loop, with what f folds in; x [rows, ldx] bf16. The AMX
 // loop folds it into its threads' passes; the others normalise the rows once, run the GEMM, then SwiGLU over its
-// [gate | up] blocks.
-void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const at::Tensor& packed, const float* bias, uint16_t* y,
+// [gate | up] blocks. An int8 weight runs the AMX loop too (amx_block's Int8), else the int8 one (i8_rows).
+void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, const float* bias, uint16_t* y,
           int64_t out_features, const Fused& f) {
-  const int32_t* wp = packed.data_ptr<int32_t>();
-  const int64_t pairs = packed.size(1), columns = f.silu ? 2 * out_features : out_features;
+  const int64_t columns = f.silu ? 2 * out_features : out_features;
   const int64_t variant = g_variant.load(std::memory_order_relaxed);
-  if (variant == kAmx && amx_supported(pairs)) return amx_linear(x, ldx, rows, wp, pairs, bias, y, out_features, f);
+  if (variant == kAmx && amx_supported(w.k / 2)) return amx_linear(x, ldx, rows, w, bias, y, out_features, f);
   std::vector<uint16_t> normed(f.norm ? rows * ldx : 0);
   if (f.norm) whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, ldx, f.h, 0, rows, normed.data());
   const uint16_t* in = f.norm ? normed.data() : x;
-  if (!f.silu) return loop_gemm(in, ldx, rows, wp, pairs, bias, y, columns, variant != kFma);
+  if (!f.silu) return loop_gemm(in, ldx, rows, w, bias, y, columns, variant != kFma);
   std::vector<uint16_t> gate_up(rows * columns);
-  loop_gemm(in, ldx, rows, wp, pairs, bias, gate_up.data(), columns, variant != kFma);
+  loop_gemm(in, ldx, rows, w, bias, gate_up.data(), columns, variant != kFma);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t c = 0; c < columns; c += kBlock)
@@ -449,12 +529,12 @@ uint16_t* bits_out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_pt
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_bf16: x must be [M, K] bf16");
-  check_weight(packed, x.size(1), out_features, "linear_bf16");
   const at::Tensor xb = x.contiguous(), pc = packed.contiguous();
+  const Weight w = packed_weight(pc, x.size(1), out_features, false, "linear_bf16");
   at::Tensor kept;
   const float* bp = whiflash::checked_bias(bias, out_features, kept, "linear_bf16");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  gemm(bits(xb), xb.size(1), x.size(0), pc, bp, bits_out(y), out_features, Fused{});
+  gemm(bits(xb), xb.size(1), x.size(0), w, bp, bits_out(y), out_features, Fused{});
   return y;
 }
 
@@ -467,16 +547,8 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, int64_t out_
               "(kernels.pack_int8) for x's K = ", k);
   check_columns(packed, out_features, "linear_i8");
   const at::Tensor xb = x.contiguous(), pc = packed.contiguous();
-  std::vector<float> xf(rows * k);
-  widen(bits(xb), xf.data(), static_cast<int64_t>(xf.size()));
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  const int8_t* w = pc.data_ptr<int8_t>();
-  uint16_t* out = bits_out(y);
-  whiflash::for_each_tile(out_features, kBlock, rows, kTileRows, 0, [&](int64_t blk, int64_t, int64_t col,
-                                                                        int64_t cols, int64_t r, int64_t n) {
-    kI8Rows[n - 1](xf.data() + r * k, k, w + blk * (k + kScaleRows) * kBlock, k, out + r * out_features + col,
-                   out_features, cols);
-  });
+  i8_gemm(bits(xb), k, rows, packed_weight(pc, k, out_features, true, "linear_i8"), bits_out(y), out_features);
   return y;
 }
 
@@ -498,8 +570,9 @@ std::tuple<at::Tensor, at::Tensor> linear_norm_bf16(const at::Tensor& x, const c
               op, ": norm_weight must be bf16 with K elements");
   TORCH_CHECK(!silu || out_features % 32 == 0, op, ": SwiGLU needs out_features a multiple of 32");
   TORCH_CHECK(!silu || !bias.has_value(), op, ": SwiGLU takes no bias (pack_gate_up reorders the outputs)");
-  check_weight(packed, k, columns, op);
   const at::Tensor xb = x.contiguous(), pc = packed.contiguous();
+  const Weight w = packed_weight(pc, k, columns, true, op);
+  TORCH_CHECK(!w.int8() || !bias.has_value(), op, ": an int8 weight (kernels.pack_int8) takes no bias");
   const at::Tensor nw = norm_weight.has_value() ? norm_weight->contiguous() : at::Tensor();
   const at::Tensor db = delta.has_value() ? delta->contiguous() : at::Tensor();
   at::Tensor kept;
@@ -508,7 +581,7 @@ std::tuple<at::Tensor, at::Tensor> linear_norm_bf16(const at::Tensor& x, const c
   at::Tensor h = delta.has_value() ? at::empty_like(xb) : nw.defined() ? xb.clone() : at::empty({0, k}, x.options());
   const Fused f{db.defined() ? bits(db) : nullptr, nw.defined() ? bits(nw) : nullptr, static_cast<float>(eps),
                 db.defined() ? bits_out(h) : nullptr, silu};
-  gemm(bits(xb), k, rows, pc, bp, bits_out(y), out_features, f);
+  gemm(bits(xb), k, rows, w, bp, bits_out(y), out_features, f);
   return {y, h};
 }
 

@@ -149,18 +149,21 @@ class DFlashDrafter(nn.Module, DFlash):
             return None
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, int8: bool | None = None) -> None:
         """Inference-only (an engine's drafter; training runs the plain modules): each layer's q/k/v and gate/up
-        fused, its linears FrozenLinears (on the engine's bf16 kernel where it is loaded)."""
+        fused, its linears FrozenLinears (on the engine's bf16 kernel where it is loaded). `int8` (default: where it
+        pays, kernels.int8_layers_pay): on the kernels, the layers' and the KV-only prefill's bf16 weights quantised
+        per output row, so a round streams half their bytes."""
+        int8 = kernels.int8_layers_pay() if int8 is None else int8
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.fuse(int8=int8)
+            layer.mlp.fuse(int8=int8)
         self._kv_weights = self._stacked_kv_weights()   # frozen from here on: stacked once, not per catch-up
         self.kernel_attention = kernels.registered()
         k_weight, v_weight, k_norm_weight = self._kv_weights
         if PackedKVPrefill.supported(self.fc.weight, k_weight[0]):
             self.kv_prefill = PackedKVPrefill(self.fc.weight, self.hidden_norm.weight, k_weight.new_empty(0),
-                                              k_weight, v_weight, k_norm_weight, self.config.rms_norm_eps)
+                                              k_weight, v_weight, k_norm_weight, self.config.rms_norm_eps, int8)
 
     def forward(
         self,

@@ -11,11 +11,13 @@ from whiflash_trt import kernels
 
 class PackedKVPrefill:
     def __init__(self, fc_weight: torch.Tensor, hidden_norm_weight: torch.Tensor, input_norm_weight: torch.Tensor,
-                 k_weight: torch.Tensor, v_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float) -> None:
+                 k_weight: torch.Tensor, v_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float,
+                 int8: bool = False) -> None:
         """The contract's weights (k_weight, v_weight [L, KV * D, Din]; empty input_norm / k_norm where the drafter
-        has none)."""
+        has none); `int8`: fc and the K/V projections quantised per output row (bf16 weights, kernels.pack_int8)."""
         kv = torch.cat([k_weight.flatten(0, 1), v_weight.flatten(0, 1)]).detach()
-        self.fc, self.kv = kernels.pack_weight(fc_weight), kernels.pack_weight(kv)
+        pack = kernels.pack_int8 if int8 and kv.dtype == torch.bfloat16 else kernels.pack_weight
+        self.fc, self.kv = pack(fc_weight), pack(kv)
         self.hidden = fc_weight.shape[0]
         self.hidden_norm, self.input_norm = hidden_norm_weight.detach(), input_norm_weight.detach()
         self.k_norm, self.eps = k_norm_weight.detach(), eps
