@@ -2,8 +2,8 @@
 carries, and loaded once per process:
 - linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with three inner loops (FMA on widened
   pairs, VDPBF16PS, or AMX tiles where the CPU has AMX-BF16): `load` gives the process the fastest one on this CPU
-  (choose_gemm); and linear_i8, the same rows over an int8 weight quantised per output row (pack_int8: the
-  drafters' LM heads);
+  (choose_gemm); linear_norm_bf16 takes int8 weights quantised per output row too (pack_int8: DFlash's layers,
+  where int8_layers_pay), and linear_i8 runs them in a loop for few rows (the drafters' LM heads);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification), the
   entropy and top-2 margin of a bonus position (the route signal), and each row's top k (the drafters' trees);
@@ -347,9 +347,10 @@ def linear_norm(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
                 packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                 silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's norm and the GEMM after it in one call (bf16): h = x + delta (x without delta), y = linear(
-    RMSNorm(h) * norm_weight) [M, out_features] -> (y, h); packed is pack_weight's or, without bias, pack_int8's. With
-    `silu`, packed is pack_gate_up's and y the SwiGLU of its gate and up outputs. Without norm_weight (and delta), y = linear(x) and h is empty ([0, K]). Rounds as
-    the torch modules do (kernels/rows.h)."""
+    RMSNorm(h) * norm_weight) [M, out_features] -> (y, h); packed is pack_weight's or, without bias, pack_int8's
+    (the process's GEMM loop either way: AMX tiles where it is the loop). With `silu`, packed is pack_gate_up's and y
+    the SwiGLU of its gate and up outputs. Without norm_weight (and delta), y = linear(x) and h is empty ([0, K]).
+    Rounds as the torch modules do (kernels/rows.h)."""
     return torch.ops.whiflash.linear_norm_bf16(x, delta, norm_weight, eps, packed, bias, out_features, silu)
 
 

@@ -1,7 +1,7 @@
 // whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX-512 BF16 CPUs;
 // whiflash::linear_norm_bf16: the same GEMM with a decoder layer's residual add and RMSNorm before it and SwiGLU
-// after it (rows.h), over a bf16 weight or an int8 one quantised per output row (a drafter's layers); whiflash::linear_i8:
-// the few-row GEMM over such an int8 weight (a drafter's LM head; i8_rows below).
+// after it (rows.h), over a bf16 weight or an int8 one quantised per output row (a drafter's layers);
+// whiflash::linear_i8: the few-row GEMM over such an int8 weight (a drafter's LM head; i8_rows below).
 //
 // Why a kernel of our own: decode and verify stream every weight once per step, and oneDNN's bf16 GEMM streams them
 // well below the machine's read bandwidth, the more so the more rows (measured on this project's Xeon, 2 threads:
@@ -243,8 +243,8 @@ inline void widen_int8_step(const int8_t* q, int first, int32_t* to) {
 // weight's step of 16 pairs is 4 KB, 64-byte line 4 p + j holding pair p of outputs 16 j .. 16 j + 15: a thread that
 // owns some of a block's outputs reads (and prefetches) their lines only. An int8 weight's step (Int8) is 2 KB, 32
 // rows of the block's 64 outputs, widened into bf16 pairs (widen_int8_step) before its tiles load them; each lane
-// is scaled once its sum is done. The same products as over the bf16 weight of the dequantised Q (exact in bf16),
-// added in the same order: rows stay invariant to the call.
+// is scaled once its sum is done: the products and sums of a bf16 weight holding the integers Q (exact in bf16), in
+// the same order, so rows stay invariant to the call.
 template <int Tiles, bool Int8>
 void amx_block(const uint16_t* x, int64_t ldx, int rows, const void* w, int64_t pairs, int first,
                const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
@@ -396,8 +396,8 @@ void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, c
 // rounded once to bf16: row-invariant as the loops above. The head of 8192 x 576 (Intel Xeon with AMX, 2 threads,
 // warm, medians of 200 calls): 189 -> 86 us at 1 row, 192 -> 129 at 3, 191 -> 152 at 4 against the bf16 weight
 // (from 3 rows on the widening and the FMAs, not the memory, set the pace). linear_i8 runs this loop on every CPU, at
-// every row count: on AMX tiles (amx_block's Int8) the same head took 123 us at 1 row and 125 at 4 (warm), and in
-// DFlash's rounds (4 rows) 0.42-0.44 ms against 0.37-0.38 here. linear_norm_bf16 over such a weight (a drafter's
+// every row count: on AMX tiles (amx_block's Int8) the same head took 123-125 us at 1 row and 125-129 at 4 (warm),
+// and in DFlash's rounds (4 rows) 0.42-0.44 ms against 0.37-0.38 here. linear_norm_bf16 over such a weight (a drafter's
 // layers, at 8 rows a block) takes the process's loop: on AMX 48 against 114 us here for 3072 x 576 at 8 rows.
 constexpr int64_t kI8Ahead = 4096;     // software prefetch distance in bytes: 64 steps of k
 
