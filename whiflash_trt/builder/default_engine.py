@@ -13,8 +13,8 @@ from whiflash_trt.config import AUTO
 from whiflash_trt.manifest import MANIFEST
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
-LAYOUT = 4   # what a default engine holds; raised when that changes (2: EAGLE-3's step compiled; 3: DFlash's; 4: the
-#              packages' RoPE traced by halves)
+LAYOUT = 5   # what a default engine holds; raised when that changes (2: EAGLE-3's step compiled; 3: DFlash's; 4: the
+#              packages' RoPE traced by halves; 5: EAGLE-3's midlayer in int8 where kernels.int8_layers_pay)
 
 
 def default_engine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:

@@ -86,11 +86,14 @@ class Eagle3Drafter(nn.Module, Eagle3):
         self.kernel_attention = False
         self.kv_prefill: PackedKVPrefill | None = None
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, int8: bool | None = None) -> None:
         """Inference-only (an engine's drafter; training runs the plain modules): the midlayer's q/k/v and gate/up
-        fused, its linears, fc and the draft head FrozenLinears, its attention on the engine's kernel where loaded."""
-        self.midlayer.self_attn.fuse()
-        self.midlayer.mlp.fuse()
+        fused, its linears, fc and the draft head FrozenLinears, its attention on the engine's kernel where loaded.
+        `int8` (default: kernels.int8_layers_pay): on the kernels, the midlayer's weights quantised per output row, in
+        the int8 loop for few rows (a draft step's 1-3 rows; its SwiGLU after the GEMM)."""
+        int8 = kernels.int8_layers_pay() if int8 is None else int8
+        self.midlayer.self_attn.fuse(int8=int8, many_rows=False)
+        self.midlayer.mlp.fuse(int8=int8, many_rows=False)
         self.head = FrozenLinear(self.lm_head.weight, int8=True)   # quantised on the kernels (FrozenLinear)
         fc = self._modules.pop("fc")   # a FrozenLinear from here on (still .weight for kv_only): ~4x faster at 1 row
         self.fc = FrozenLinear(fc.weight, fc.bias)

@@ -52,9 +52,9 @@ class FrozenLinear:
     weights of few-row calls 1.6-2.2x faster than F.linear; an fp32 one runs on MKL through row_linear. Measured on
     this project's CPUs; tests/test_row_invariance.py and tests/test_kernels.py hold the bits.
 
-    int8 (the drafters' LM heads; with many_rows, DFlash's layers where kernels.int8_layers_pay): on the kernels a
-    bf16 weight without bias is quantised per output row (kernels.pack_int8) and streams half the bytes; many_rows
-    picks the int8 GEMM loop for calls of many rows (kernels.linear). A drafter's output only steers what it
+    int8 (the drafters' LM heads, and both drafters' layers where kernels.int8_layers_pay): on the kernels a bf16
+    weight without bias is quantised per output row (kernels.pack_int8) and streams half the bytes; many_rows picks
+    the int8 GEMM loop for calls of many rows (kernels.linear: DFlash's blocks), else the one for few rows. A drafter's output only steers what it
     proposes, never what is accepted, so this costs no exactness: measured on SmolLM2's drafters (whiflash-bench, 25
     prompts, 96 tokens), tau 1.9705 -> 1.9756 for EAGLE-3 and 1.8561 -> 1.8463 for DFlash with int8 heads."""
 
@@ -106,21 +106,22 @@ class SwiGLU(nn.Module):
         self.gate_up: FrozenLinear | None = None   # set by fuse(), with self.down; or instead:
         self.gate_up_packed: torch.Tensor | None = None   # [gate; up] for the kernels' SwiGLU (kernels.swiglu)
 
-    def fuse(self, use_kernels: bool = True, int8: bool = False) -> None:
+    def fuse(self, use_kernels: bool = True, int8: bool = False, many_rows: bool = True) -> None:
         """One [gate; up] matrix; gate/up_proj become views into it (names and state_dict unchanged). On the
         kernels (bf16), SwiGLU itself runs in the GEMM: one call, no [T, 2I] intermediate. `int8`: there, both
-        weights quantised per output row (a drafter's layers, see FrozenLinear)."""
+        weights quantised per output row (a drafter's layers, see FrozenLinear); without `many_rows` (EAGLE-3's
+        draft steps of few rows) the GEMMs run the int8 loop for few rows and SwiGLU after them."""
         fused = k_major(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         self.down_proj.weight = nn.Parameter(k_major(self.down_proj.weight), requires_grad=False)
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
         if use_kernels and kernels.registered() and fused.dtype == torch.bfloat16 and n % 32 == 0 \
-                and kernels.supports(fused):
+                and kernels.supports(fused) and (many_rows or not int8):
             self.gate_up_packed = kernels.pack_gate_up(fused, int8)
         else:
-            self.gate_up = FrozenLinear(fused, use_kernel=use_kernels, int8=int8, many_rows=True)
-        self.down = FrozenLinear(self.down_proj.weight, use_kernel=use_kernels, int8=int8, many_rows=True)
+            self.gate_up = FrozenLinear(fused, use_kernel=use_kernels, int8=int8, many_rows=many_rows)
+        self.down = FrozenLinear(self.down_proj.weight, use_kernel=use_kernels, int8=int8, many_rows=many_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_packed is not None:

@@ -36,9 +36,10 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv: FrozenLinear | None = None  # set by fuse(), with self.o
 
-    def fuse(self, use_kernels: bool = True, int8: bool = False) -> None:
+    def fuse(self, use_kernels: bool = True, int8: bool = False, many_rows: bool = True) -> None:
         """One [q;k;v] matrix; q/k/v_proj become views into it, so names and state_dict stay the checkpoint's.
-        `int8`: on the kernels, the projections' weights quantised per output row (a drafter's, see FrozenLinear)."""
+        `int8`: on the kernels, the projections' weights quantised per output row (a drafter's, see FrozenLinear),
+        run in the int8 loop for many rows (DFlash's blocks) or few (`many_rows` False: EAGLE-3's draft steps)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         fused = k_major(torch.cat([p.weight for p in projs]))
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
@@ -50,8 +51,8 @@ class Attention(nn.Module):
                 p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
             start += n
         self.o_proj.weight = nn.Parameter(k_major(self.o_proj.weight), requires_grad=False)
-        self.qkv = FrozenLinear(fused, bias, use_kernels, int8, many_rows=True)
-        self.o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, use_kernels, int8, many_rows=True)
+        self.qkv = FrozenLinear(fused, bias, use_kernels, int8, many_rows)
+        self.o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, use_kernels, int8, many_rows)
 
     def project(self, x, cos, sin):
         """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
