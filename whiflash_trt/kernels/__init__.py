@@ -3,7 +3,7 @@ carries, and loaded once per process:
 - linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with three inner loops (FMA on widened
   pairs, VDPBF16PS, or AMX tiles where the CPU has AMX-BF16): `load` gives the process the fastest one on this CPU
   (choose_gemm); linear_norm_bf16 takes int8 weights quantised per output row too (pack_int8: DFlash's layers,
-  where int8_layers_pay), and linear_i8 runs them in a loop for few rows (the drafters' LM heads);
+  where int8_layers_pay), and linear_i8 runs them in a loop for few rows (the drafters' LM heads, EAGLE-3's layers);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification), the
   entropy and top-2 margin of a bonus position (the route signal), and each row's top k (the drafters' trees);

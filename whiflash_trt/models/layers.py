@@ -54,9 +54,10 @@ class FrozenLinear:
 
     int8 (the drafters' LM heads, and both drafters' layers where kernels.int8_layers_pay): on the kernels a bf16
     weight without bias is quantised per output row (kernels.pack_int8) and streams half the bytes; many_rows picks
-    the int8 GEMM loop for calls of many rows (kernels.linear: DFlash's blocks), else the one for few rows. A drafter's output only steers what it
-    proposes, never what is accepted, so this costs no exactness: measured on SmolLM2's drafters (whiflash-bench, 25
-    prompts, 96 tokens), tau 1.9705 -> 1.9756 for EAGLE-3 and 1.8561 -> 1.8463 for DFlash with int8 heads."""
+    the int8 GEMM loop for calls of many rows (kernels.linear: DFlash's blocks), else the one for few rows. A
+    drafter's output only steers what it proposes, never what is accepted, so this costs no exactness: measured on
+    SmolLM2's drafters (whiflash-bench, 25 prompts, 96 tokens), tau 1.9705 -> 1.9756 for EAGLE-3 and 1.8561 ->
+    1.8463 for DFlash with int8 heads (the layers: MODEL_CARD.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True,
                  int8: bool = False, many_rows: bool = False) -> None:
