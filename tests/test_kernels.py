@@ -375,6 +375,39 @@ def test_argmax_rows_is_torchs_argmax(dtype):
         kernels.argmax_rows(torch.zeros(5))
 
 
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vocabulary_reductions_merge_the_threads_parts(dtype, num_threads):
+    """argmax_rows and entropy_margin split the vocabulary between the threads: ties across parts go to the first
+    index, a part with nothing above -inf (or only very negative values) loses, and the entropy and margin are the
+    whole row's."""
+    from whiflash_trt.spec.router import entropy_and_margin
+
+    vocab = 49152
+    g = torch.Generator().manual_seed(num_threads)
+    logits = (torch.randn(4, vocab, generator=g) * 3).to(dtype)
+    logits[0, [40000, 10000, 30000]] = 20.0            # a tie spread over the parts: the first index
+    logits[1, : vocab // 2] = -float("inf")             # the first half can hold no choice
+    logits[1, 45000] = 50.0
+    logits[2, vocab // 2:] = -float("inf")              # nor the second
+    logits[3] = -float("inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        assert kernels.argmax_rows(logits).tolist() == [10000, 45000, int(logits[2].float().argmax()), 0]
+        for row in (logits[0], torch.where(logits[1].isinf(), -1e4, logits[1].float()).to(dtype),
+                    torch.where(logits[2].isinf(), -1e4, logits[2].float()).to(dtype)):
+            assert kernels.entropy_margin(row) == pytest.approx(entropy_and_margin(row), rel=1e-4, abs=1e-5)
+        assert kernels.entropy_margin(logits[0])[1] == 0.0
+        half = torch.full((vocab,), -float("inf"), dtype=dtype)
+        half[[7, 30000]] = torch.tensor([2.0, 1.0], dtype=dtype)   # the other parts hold nothing above -inf
+        entropy, margin = kernels.entropy_margin(half)
+        want_entropy, want_margin = entropy_and_margin(half[[7, 30000]])
+        assert (entropy, margin) == pytest.approx((want_entropy, want_margin), rel=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_topk_rows_is_torchs_topk(dtype):
     g = torch.Generator().manual_seed(0)

@@ -4,16 +4,23 @@
 // - whiflash::entropy_margin: the route signal of a bonus position, the entropy (nats) of softmax(logits) and the
 //   top-1 minus top-2 probability, in two passes (the top two values; then the sums of e = exp(z - top) and
 //   e * (z - top)): H = log S - sum e (z - top) / S with S = sum e (~0.02 ms here, torch's eight ops ~0.12 ms);
+//   each thread over its part of the vocabulary, the parts merged;
 // - whiflash::topk_rows: each row's k largest values (optionally as log-softmax values) and their indices, for the
 //   drafters' trees: EAGLE-3's children and DDTree's ranks per depth (aten's topk took ~24 us over 3 x 8192
 //   log-probs, and DDTree's log_softmax + topk over 5 x 8192 logits ~90 us).
+// argmax_rows and entropy_margin split the vocabulary between the threads as the LM head's GEMM splits its outputs,
+// so that each thread reads logits its own core wrote (see argmax_rows).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <mutex>
+#include <utility>
 #include <tuple>
 #include <vector>
 
@@ -21,12 +28,20 @@
 
 namespace {
 
+// What a part z[begin, end) of a row contributes to its route signal: its two largest values, and with e = exp(z -
+// top) over the part, S = sum e and W = sum e (z - top) (a -inf adds nothing to either; both zero where the part
+// holds no value above -inf).
+struct SignalPart {
+  float top = -INFINITY, runner = -INFINITY;
+  double s = 0, w = 0;
+};
+
 template <typename T>
-std::vector<double> signal_of(const T* z, int64_t n) {
+SignalPart signal_part(const T* z, int64_t begin, int64_t end) {
   const __m512 lowest = _mm512_set1_ps(-INFINITY);
   __m512 first = lowest, second = lowest;   // per lane: its largest and second largest value
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = whiflash::lanes(n - i);
+  for (int64_t i = begin; i < end; i += 16) {
+    const __mmask16 m = whiflash::lanes(end - i);
     const __m512 v = _mm512_mask_mov_ps(lowest, m, whiflash::load16(z + i, m));
     second = _mm512_max_ps(second, _mm512_min_ps(first, v));
     first = _mm512_max_ps(first, v);
@@ -35,38 +50,74 @@ std::vector<double> signal_of(const T* z, int64_t n) {
   alignas(64) float cand[32];
   _mm512_store_ps(cand, first);
   _mm512_store_ps(cand + 16, second);
-  float top = -INFINITY, runner = -INFINITY;
+  SignalPart part;
   for (float c : cand) {
-    if (c > top) {
-      runner = top;
-      top = c;
-    } else if (c > runner) {
-      runner = c;
+    if (c > part.top) {
+      part.runner = part.top;
+      part.top = c;
+    } else if (c > part.runner) {
+      part.runner = c;
     }
   }
-  const __m512 shift = _mm512_set1_ps(top);
+  if (part.top == -INFINITY) return part;
+  const __m512 shift = _mm512_set1_ps(part.top);
   __m512 sum = _mm512_setzero_ps(), weighted = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = whiflash::lanes(n - i);
-    const __m512 d = _mm512_maskz_sub_ps(m, whiflash::load16(z + i, m), shift);
-    const __m512 e = _mm512_maskz_mov_ps(m, whiflash::exp16(d));
+  for (int64_t i = begin; i < end; i += 16) {
+    const __mmask16 m = whiflash::lanes(end - i);
+    const __m512 v = whiflash::load16(z + i, m);
+    const __mmask16 counted = _mm512_mask_cmp_ps_mask(m, v, lowest, _CMP_GT_OQ);   // -inf (e = 0) adds 0
+    const __m512 d = _mm512_maskz_sub_ps(counted, v, shift);
+    const __m512 e = _mm512_maskz_mov_ps(counted, whiflash::exp16(d));
     sum = _mm512_add_ps(sum, e);
     weighted = _mm512_fmadd_ps(e, d, weighted);
   }
-  const double s = _mm512_reduce_add_ps(sum), w = _mm512_reduce_add_ps(weighted);
+  part.s = _mm512_reduce_add_ps(sum), part.w = _mm512_reduce_add_ps(weighted);
+  return part;
+}
+
+// The route signal of a row from its parts: with T the row's top and r_p = exp(top_p - T), S = sum_p r_p S_p and
+// sum e (z - T) = sum_p r_p (W_p + (top_p - T) S_p); H = log S - that / S, margin (1 - exp(runner - T)) / S.
+std::vector<double> signal_of(const std::vector<SignalPart>& parts, int64_t n) {
+  float top = -INFINITY, runner = -INFINITY;
+  for (const SignalPart& p : parts) {
+    for (float c : {p.top, p.runner}) {
+      if (c > top) {
+        runner = top;
+        top = c;
+      } else if (c > runner) {
+        runner = c;
+      }
+    }
+  }
+  double s = 0, w = 0;
+  for (const SignalPart& p : parts) {
+    if (p.top == -INFINITY) continue;
+    const double shift = static_cast<double>(p.top) - top, r = std::exp(shift);
+    s += r * p.s;
+    w += r * (p.w + shift * p.s);
+  }
   const double margin = n < 2 ? 1.0 : (1.0 - std::exp(static_cast<double>(runner) - top)) / s;
   return {std::log(s) - w / s, margin};
 }
 
-// the first index of the row's largest value (torch.argmax's rule for ties; a NaN is skipped, not chosen)
+// Of two (value, index) candidates the larger value, the smaller index among equal ones (index -1: no candidate).
+inline std::pair<float, int64_t> better(std::pair<float, int64_t> a, std::pair<float, int64_t> b) {
+  if (b.second < 0) return a;
+  if (a.second < 0 || b.first > a.first || (b.first == a.first && b.second < a.second)) return b;
+  return a;
+}
+
+// The largest value of z[begin, end) and its first index (torch.argmax's rule for ties; a NaN is skipped, not
+// chosen); index -1 where the range holds no value above -inf.
 template <typename T>
-int64_t argmax_of(const T* z, int64_t n) {
+std::pair<float, int64_t> argmax_in(const T* z, int64_t begin, int64_t end) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   __m512i where = _mm512_set1_epi32(0);
   const __m512i step = _mm512_set1_epi32(16);
-  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = whiflash::lanes(n - i);
+  __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(begin)),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  for (int64_t i = begin; i < end; i += 16) {
+    const __mmask16 m = whiflash::lanes(end - i);
     const __m512 v = whiflash::load16(z + i, m);
     const __mmask16 more = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
     best = _mm512_mask_mov_ps(best, more, v);
@@ -77,15 +128,9 @@ int64_t argmax_of(const T* z, int64_t n) {
   alignas(64) int32_t at[16];
   _mm512_store_ps(value, best);
   _mm512_store_epi32(at, where);
-  int64_t chosen = -1;
-  float top = -INFINITY;
-  for (int lane = 0; lane < 16; ++lane) {   // the largest value, the smallest index among its lanes
-    if (value[lane] > top || (value[lane] == top && chosen >= 0 && at[lane] < chosen)) {
-      top = value[lane];
-      chosen = at[lane];
-    }
-  }
-  return chosen < 0 ? 0 : chosen;   // a row of -inf (or NaN) only: index 0
+  std::pair<float, int64_t> chosen{-INFINITY, -1};
+  for (int lane = 0; lane < 16; ++lane) chosen = better(chosen, {value[lane], value[lane] > -INFINITY ? at[lane] : -1});
+  return chosen;
 }
 
 // The k largest values of a row, largest first (ties: the smaller index first; NaN never chosen), into value/at;
@@ -162,27 +207,51 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& logits, int64_t k
   return {values, indices};
 }
 
+// The threads split the vocabulary as the LM head's GEMM splits its outputs (at::parallel_for over 16-column tiles,
+// grain 1), so each reads the logits its own core just wrote: one thread reading all of them took ~0.1 ms in rounds
+// for 5 x 49152 bf16 logits, half of them in the other core's cache (24 us when read again at once).
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1 && logits.size(1) < (int64_t(1) << 31) &&
                   (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
               "argmax_rows: logits must be [rows, vocab] fp32 or bf16");
   const at::Tensor z = logits.contiguous();
-  const int64_t rows = z.size(0), n = z.size(1);
+  const int64_t rows = z.size(0), n = z.size(1), tiles = (n + 15) / 16;
+  const bool fp32 = z.scalar_type() == at::kFloat;
+  std::vector<std::pair<float, int64_t>> chosen(rows, {-INFINITY, -1});
+  std::mutex merge;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin_tile, int64_t end_tile) {
+    const int64_t begin = begin_tile * 16, end = std::min(end_tile * 16, n);
+    std::vector<std::pair<float, int64_t>> part(rows);
+    for (int64_t r = 0; r < rows; ++r)
+      part[r] = fp32 ? argmax_in(z.data_ptr<float>() + r * n, begin, end)
+                     : argmax_in(z.data_ptr<at::BFloat16>() + r * n, begin, end);
+    const std::lock_guard<std::mutex> hold(merge);
+    for (int64_t r = 0; r < rows; ++r) chosen[r] = better(chosen[r], part[r]);
+  });
   at::Tensor out = at::empty({rows}, z.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    o[r] = z.scalar_type() == at::kFloat ? argmax_of(z.data_ptr<float>() + r * n, n)
-                                         : argmax_of(z.data_ptr<at::BFloat16>() + r * n, n);
+  for (int64_t r = 0; r < rows; ++r) o[r] = chosen[r].second < 0 ? 0 : chosen[r].second;   // no value above -inf: 0
   return out;
 }
 
+// Each thread over its part of the vocabulary, as in argmax_rows; the route signal from the parts.
 std::vector<double> entropy_margin(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 1 && logits.numel() >= 1 &&
                   (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
               "entropy_margin: logits must be [vocab] fp32 or bf16");
   const at::Tensor z = logits.contiguous();
-  if (z.scalar_type() == at::kFloat) return signal_of(z.data_ptr<float>(), z.numel());
-  return signal_of(z.data_ptr<at::BFloat16>(), z.numel());
+  const int64_t n = z.numel();
+  const bool fp32 = z.scalar_type() == at::kFloat;
+  std::vector<SignalPart> parts;
+  std::mutex merge;
+  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin_tile, int64_t end_tile) {
+    const int64_t begin = begin_tile * 16, end = std::min(end_tile * 16, n);
+    const SignalPart part = fp32 ? signal_part(z.data_ptr<float>(), begin, end)
+                                 : signal_part(z.data_ptr<at::BFloat16>(), begin, end);
+    const std::lock_guard<std::mutex> hold(merge);
+    parts.push_back(part);
+  });
+  return signal_of(parts, n);
 }
 
 }  // namespace
