@@ -64,28 +64,25 @@ def test_custom_op_is_registered_and_matches_reference():
 
 @pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dflash-int8"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-int8", "dflash", "dflash-int8"])
 def test_fused_drafters_write_the_contracts_kv_with_the_kernel(kind, dtype):
     """A fused drafter's write_kv_only runs kernels/kv_prefill.cpp (packed weights, straight into the pools): the
     K/V of the contract's reference up to the order of sums (fp32), or up to a bf16 rounding of it (bf16), or, over
-    DFlash's int8 weights (bf16 ones quantised per output row), up to their quantisation; slots it was not given
-    keep their values."""
-    make = make_eagle3 if kind == "eagle3" else make_dflash
-    drafter = make(TARGET).eval().to(dtype)
-    if kind == "eagle3":
-        drafter.fuse_projections()
-    else:
-        drafter.fuse_projections(int8=kind == "dflash-int8")
+    int8 weights (bf16 ones quantised per output row), up to their quantisation; slots it was not given keep their
+    values."""
+    eagle3 = kind.startswith("eagle3")
+    drafter = (make_eagle3 if eagle3 else make_dflash)(TARGET).eval().to(dtype)
+    drafter.fuse_projections(int8=kind.endswith("-int8"))
     assert drafter.kv_prefill is not None
-    int8 = kind == "dflash-int8" and dtype == torch.bfloat16
+    int8 = kind.endswith("-int8") and dtype == torch.bfloat16
     assert (drafter.kv_prefill.fc.dtype == torch.int8) == int8
-    t, layers = 7, len(drafter.layers) if kind != "eagle3" else 1
+    t, layers = 7, 1 if eagle3 else len(drafter.layers)
     torch.manual_seed(2)
     feats = torch.randn(t, len(drafter.config.capture_layers) * 64).to(dtype)
     embeds = torch.randn(t, 64).to(dtype)
     positions, slots = torch.arange(9, 9 + t), torch.randperm(40)[:t]
     k_pool, v_pool = (torch.full((layers, 40, 2, 16), 7.0, dtype=dtype) for _ in range(2))
-    args = (feats, embeds, positions) if kind == "eagle3" else (feats, positions)
+    args = (feats, embeds, positions) if eagle3 else (feats, positions)
     with torch.no_grad():
         k, v = drafter.kv_only(*args)
         drafter.write_kv_only(*args, k_pool, v_pool, slots)

@@ -2,8 +2,9 @@
 carries, and loaded once per process:
 - linear_bf16.cpp: a bf16 GEMM for the few-row calls of decode and verify, with three inner loops (FMA on widened
   pairs, VDPBF16PS, or AMX tiles where the CPU has AMX-BF16): `load` gives the process the fastest one on this CPU
-  (choose_gemm); linear_norm_bf16 takes int8 weights quantised per output row too (pack_int8: DFlash's layers,
-  where int8_layers_pay), and linear_i8 runs them in a loop for few rows (the drafters' LM heads, EAGLE-3's layers);
+  (choose_gemm); linear_norm_bf16 takes int8 weights quantised per output row too (pack_int8: DFlash's layers and
+  both drafters' KV-only prefills, where int8_layers_pay), and linear_i8 runs them in a loop for few rows (the
+  drafters' LM heads, EAGLE-3's layers);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification), the
   entropy and top-2 margin of a bonus position (the route signal), and each row's top k (the drafters' trees);
@@ -341,7 +342,8 @@ def int8_layers_pay() -> bool:
     loop is AMX. Measured in rounds on an Intel Xeon with AMX (2 threads): DFlash's block of 8 rows, through the AMX
     loop (which widens int8 into its bf16 tiles, linear_bf16.cpp amx_block), 0.82-0.88 against 0.98-1.03 ms per
     forward; EAGLE-3's draft steps of 1 and 3 rows, through the int8 loop for few rows (i8_rows), 2.32-2.53 against
-    2.60-2.92 ms per round's drafting. Elsewhere (not measured) bf16."""
+    2.60-2.92 ms per round's drafting; EAGLE-3's KV-only prefill (catch-up) 352-353 against 383-394 us per call.
+    Elsewhere (not measured) bf16."""
     return registered() and gemm() == "amx"
 
 
