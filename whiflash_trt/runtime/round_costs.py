@@ -1,32 +1,32 @@
 """Seconds per round of each routing choice on the machine that runs the engine: the throughput router's costs.
 
 A short calibration when an engine with a v2 router file loads (Engine.__init__): two fixed prompts (code, where the
-drafters are sure, and open prose, where they are not) decoded for a few tokens each in each static mode (`ar` for a
-target-only round, EAGLE-3 with the default tree, DFlash), after an untimed warm-up of each. The modes take turns
-(ar, EAGLE-3, DFlash, ar, ...) for `reps` repetitions so that a change of load on a shared machine hits all three
-alike, and a choice's cost is the median over repetitions of its mean round time over the prompts (route, draft,
-verify, commit; not the drafter's prefill of the prompt in the first round, nor catch-up, 1-2% of a round in steady
-decoding). With EAGLE-3's probability floor its tree, and so its round, is bigger where it is sure: on the code prompt
-alone the calibration put its round at 1.11x DFlash's where the bench measured 1.06x; with both prompts 1.08-1.09x
-(2026-12-04, Intel Xeon with AMX, 2 threads, reps 9). The calibration at load (reps 3, both prompts) took 1.7 s for
-SmolLM2-135M there (an earlier measurement: 7-10 s on one loaded CPU thread, one prompt). The costs are used
-only as ratios (rate = tokens / seconds); on a loaded 2-core machine these calibrations gave EAGLE-3 : ar ratios
-of 2.5-3.0 and DFlash : ar 1.8-2.0 from run to run (the bench's 30-run means: 2.4, 1.7). Costs grow with the
-context length and the tree; the calibration fixes both at short prompts and the default tree (a documented
-limitation). Engine.round_seconds can be set by a caller that measured better ones.
+drafters are sure, and open prose, where they are not; through the chat template where the tokenizer has one) decoded
+for a few tokens each in each static mode (`ar` for a target-only round, EAGLE-3 with the default tree, DFlash),
+after an untimed warm-up of each. The modes take turns (ar, EAGLE-3, DFlash, ar, ...) for `reps` repetitions so
+that a change of load on a shared machine hits all three alike, and a choice's cost is the median over repetitions
+of its mean round time over the prompts (route, catch-up, draft, verify, commit: what the benchmark's rounds cost;
+not the drafter's prefill of the prompt in the first round). The costs are used only as ratios (rate = tokens /
+seconds).
 
-Known bias (measured 2026-12-01, AMD EPYC, 2 threads): this calibration gave none / EAGLE-3 / DFlash 10.7 / 14.5 /
-12.8 ms where the bench's rounds (contexts of ~150-400 tokens, catch-up included) took 12.0 / 19.1 / 16.6, so it
-understates a drafting round by 20-40%. The shipped router's threshold was fit against costs measured this way. A
-calibration at a 200-token context with catch-up (tried: steady-state rounds from two run lengths) gave ratios near
-the bench's but noisy from load to load (EAGLE-3 : none 1.55-1.88), and with it the shipped router skipped drafting
-in 81% of the bench's rounds (whiflash-neural 1.08x `ar` over all prompts against EAGLE-3's 1.24x). The costs and
-the router's fit must change together: retrain the router against costs measured the new way.
+Round costs grow with the context and the tree, and not alike: DFlash's block attends to the whole context with all
+of its rows, EAGLE-3's tree is bigger where it is sure (its probability floor). Each prompt therefore brings a
+context of the benchmark's size (~150-200 tokens) and catch-up is counted. Measured 2026-12-04 (Intel Xeon with
+AMX, family 6 model 167, 2 threads, reps 3, three calibrations of each kind alternated in one process), cost over a
+target-only round, EAGLE-3 / DFlash: with these prompts 1.270 / 1.208, 1.247 / 1.223, 1.273 / 1.186 (DFlash over
+EAGLE-3 0.951, 0.981, 0.932); with the short prompts used before (~45 tokens, catch-up left out) 1.285 / 1.167,
+1.192 / 1.111, 1.221 / 1.153 (0.908, 0.932, 0.944); the headline bench beside them measured 1.266 / 1.199 (0.947).
+The short calibration understated DFlash's round against EAGLE-3's and so sent DFlash rounds it did not win.
+
+Earlier (2026-12-01, AMD EPYC, 2 threads) a calibration at a 200-token context with catch-up, against a router
+whose threshold (1.3) had been fit to the short calibration's costs, skipped drafting in 81% of the bench's rounds;
+the shipped router's threshold is 1.0 (the plain objective) and its predictions do not depend on the costs.
 
 The costs of an engine directory are kept (`cached_round_seconds`) in the user's cache, one small JSON file per
-engine (its manifest), backend, thread count, CPU model, GEMM loop, default tree shapes and whiflash-trt version, so
-that only the first load of an engine on a machine pays the calibration (later loads read them back); delete the
-folder to measure again. A machine whose speed changes (a shared host, another load) keeps the ratios of its first load.
+engine (its manifest), backend, thread count, CPU model, GEMM loop, default tree shapes, prompts and whiflash-trt
+version, so that only the first load of an engine on a machine pays the calibration (later loads read them back);
+delete the folder to measure again. A machine whose speed changes (a shared host, another load) keeps the ratios of
+its first load. Engine.round_seconds can be set by a caller that measured better ones.
 """
 from __future__ import annotations
 
@@ -46,9 +46,23 @@ from whiflash_trt.runtime.device import cpu_model
 from whiflash_trt.spec.router import NO_DRAFT
 
 # a drafter's round costs more where it drafts a bigger tree (EAGLE-3 with a probability floor: where it is sure), so
-# the calibration decodes one prompt where the drafters are sure (code) and one where they are not (open prose)
-CALIBRATION_PROMPTS = ("Write a short Python function that returns the sum of a list of numbers, then explain it.",
-                       "Describe a walk through a city park on an autumn morning.")
+# the calibration decodes one prompt where the drafters are sure (code) and one where they are not (open prose); and
+# DFlash's block attends to the whole context with all its rows, so each prompt brings a context of the benchmark's
+# size (~150-200 tokens with the chat template)
+CALIBRATION_PROMPTS = (
+    "Here is a Python module that keeps a small inventory of items in a warehouse:\n\n```python\n"
+    "class Inventory:\n    def __init__(self):\n        self.items = {}\n\n"
+    "    def add(self, name, count):\n        self.items[name] = self.items.get(name, 0) + count\n\n"
+    "    def remove(self, name, count):\n        if self.items.get(name, 0) < count:\n"
+    "            raise ValueError(f'not enough {name}')\n        self.items[name] -= count\n```\n\n"
+    "Write a method `report` that returns the items sorted by count, largest first, as a list of (name, count) "
+    "pairs, and a method `total` that returns the number of items in stock. Then explain both methods.",
+    "The town of Alderbrook sits where two rivers meet at the foot of a long wooded ridge. Its market square is "
+    "lined with old stone houses, a bakery that opens before dawn, and a small library that used to be a chapel. "
+    "Every autumn the town holds a harvest fair: farmers bring apples, pumpkins and honey, children race wooden "
+    "boats on the river, and in the evening a brass band plays in the square while lanterns are lit along the "
+    "bridges. Write a short story about a visitor who arrives in Alderbrook on the morning of the fair and what "
+    "she finds there.")
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "round-costs"
 
 
@@ -89,7 +103,8 @@ def cached_round_seconds(engine, cache_dir: Path | None = DEFAULT_CACHE) -> dict
 
 def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_tokens: int = 4) -> dict[str, float]:
     """{NO_DRAFT and each drafter the engine holds: seconds per round} (see the module docstring)."""
-    prompts = [engine.encode(prompt) for prompt in CALIBRATION_PROMPTS]
+    chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    prompts = [engine.encode(prompt, chat=chat) for prompt in CALIBRATION_PROMPTS]
     modes = {choice: mode for choice, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH))
              if choice == NO_DRAFT or choice in engine.proposers}
     for mode in modes.values():
@@ -105,7 +120,7 @@ def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_to
 
 
 def steady_seconds_per_round(stats: dict) -> float:
-    """A generation's mean round time (its stats dict) without the drafter's prompt prefill and catch-up: the cost
-    of a round as the router weighs it (see the module docstring)."""
-    steady = sum(t for phase, t in stats["phase_seconds"].items() if phase not in ("drafter_prefill", "catch_up"))
+    """A generation's mean round time (its stats dict) without the drafter's prompt prefill: the cost of a round as
+    the router weighs it (see the module docstring)."""
+    steady = sum(t for phase, t in stats["phase_seconds"].items() if phase != "drafter_prefill")
     return steady / max(1, stats["rounds"])

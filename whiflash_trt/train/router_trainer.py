@@ -278,7 +278,7 @@ def calibrate(models: dict[tuple[float, float], AcceptancePredictor], records: l
 def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, max_new_tokens: int = 48) -> dict:
     """Seconds per round of `ar` (as "none") and each single-drafter mode on this machine: per prompt the three modes
     take turns (a change of load hits all alike); per mode the median over prompts of its mean round time, the
-    drafter's prompt prefill and catch-up left out (runtime.round_costs.steady_seconds_per_round)."""
+    drafter's prompt prefill left out (runtime.round_costs.steady_seconds_per_round)."""
     from whiflash_trt.config import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
