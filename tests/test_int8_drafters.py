@@ -47,3 +47,18 @@ def test_int8_layers_are_the_bf16_layers_up_to_quantisation_and_keep_their_rows(
             assert ((got - want).abs() <= 0.03 * scale).all(), f"{(got - want).abs().max() / scale:.4f}"
             alone = torch.cat([int8_fn(x[i:i + 1]) for i in range(7)])
             assert torch.equal(alone, int8_fn(x))
+
+
+def test_eagle3s_fc_is_int8_with_its_layers():
+    """EAGLE-3's fc (the root's features, every round) over int8 weights with its layers: within their quantisation
+    of the bf16 fc, a row's bits the same alone as among other rows."""
+    plain, quantised = make_eagle3(TARGET).eval().bfloat16(), make_eagle3(TARGET).eval().bfloat16()
+    plain.fuse_projections(int8=False)
+    quantised.fuse_projections(int8=True)
+    assert quantised.fc.kernel_weight.dtype == torch.int8 and plain.fc.kernel_weight.dtype == torch.int32
+    torch.manual_seed(1)
+    x = torch.randn(5, quantised.fc.weight.shape[1]).bfloat16()
+    got, want = quantised.fc(x).float(), plain.fc(x).float()
+    assert not torch.equal(got, want)
+    assert ((got - want).abs() <= 0.03 * want.abs().max()).all()
+    assert torch.equal(torch.cat([quantised.fc(x[i:i + 1]) for i in range(5)]), quantised.fc(x))

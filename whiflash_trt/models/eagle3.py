@@ -90,14 +90,15 @@ class Eagle3Drafter(nn.Module, Eagle3):
         """Inference-only (an engine's drafter; training runs the plain modules): the midlayer's q/k/v and gate/up
         fused, its linears, fc and the draft head FrozenLinears, its attention on the engine's kernel where loaded.
         `int8` (default: kernels.int8_layers_pay): on the kernels, the midlayer's weights quantised per output row, in
-        the int8 loop for few rows (a draft step's 1-3 rows; its SwiGLU after the GEMM), and the KV-only prefill's
-        (fc, k/v) likewise (in rounds its catch-up 383-394 -> 352-353 us, 3 runs alternated, Intel Xeon with AMX)."""
+        the int8 loop for few rows (a draft step's 1-3 rows; its SwiGLU after the GEMM), and so are fc (the root's
+        1 row: 128-137 -> 95-104 us in rounds, 2 runs alternated, Intel Xeon with AMX) and the KV-only prefill's fc
+        and k/v (its catch-up 383-394 -> 352-353 us, 3 runs alternated)."""
         int8 = kernels.int8_layers_pay() if int8 is None else int8
         self.midlayer.self_attn.fuse(int8=int8, many_rows=False)
         self.midlayer.mlp.fuse(int8=int8, many_rows=False)
         self.head = FrozenLinear(self.lm_head.weight, int8=True)   # quantised on the kernels (FrozenLinear)
         fc = self._modules.pop("fc")   # a FrozenLinear from here on (still .weight for kv_only): ~4x faster at 1 row
-        self.fc = FrozenLinear(fc.weight, fc.bias)
+        self.fc = FrozenLinear(fc.weight, fc.bias, int8=int8)
         self.kernel_attention = kernels.registered()
         attn = self.midlayer.self_attn
         if fc.bias is None and PackedKVPrefill.supported(fc.weight, attn.k_proj.weight):
