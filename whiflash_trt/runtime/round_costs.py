@@ -104,7 +104,8 @@ def cached_round_seconds(engine, cache_dir: Path | None = DEFAULT_CACHE) -> dict
 def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_tokens: int = 4) -> dict[str, float]:
     """{NO_DRAFT and each drafter the engine holds: seconds per round} (see the module docstring)."""
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
-    prompts = [engine.encode(prompt, chat=chat) for prompt in CALIBRATION_PROMPTS]
+    keep = engine.target.config.max_position_embeddings // 2   # a model of a short context: the prompts' ends
+    prompts = [engine.encode(prompt, chat=chat)[-keep:] for prompt in CALIBRATION_PROMPTS]
     modes = {choice: mode for choice, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH))
              if choice == NO_DRAFT or choice in engine.proposers}
     for mode in modes.values():
