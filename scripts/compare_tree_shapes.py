@@ -4,7 +4,7 @@ Every variant runs on every prompt in a rotating order (the machine is shared an
 held-out benchmark prompts (prompts SKIP.. of each category; whiflash-bench measures the first ones), greedy, so
 every variant's output is `ar`'s (checked). Prints per variant: tokens/s of the decode rounds (the tokens they made
 over their time; prefill left out), ms per round, draft ms per round, tau and the speed-up over `ar`. This is how
-the default trees (config.TreeConfig, DFlashTreeConfig.DEFAULT_NODES) were chosen. A shape may end in @P, its
+the default trees (config.TreeConfig, runtime.tree_defaults) were chosen. A shape may end in @P, its
 probability floor (min_prob; without it the tree has none).
 
     python scripts/compare_tree_shapes.py --eagle3 3,4,6 3,2,6 3,3,10@0.05 --dflash 6 5 8@0.05 --num-prompts 5 \

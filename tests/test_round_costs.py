@@ -107,3 +107,27 @@ def test_a_router_file_from_before_the_probability_floor_matches_trees_without_o
     engine.router_for(SpecConfig(mode="whiflash", router="neural", tree=TreeConfig(3, 2, 6, min_prob=0.05),
                                  dflash_tree=DFlashTreeConfig(min_prob=0.0)))
     assert '"min_prob": 0.05' in capsys.readouterr().err
+
+
+def test_a_node_count_left_to_the_machine_matches_the_same_count_named(tmp_path, tiny_checkpoint, capsys):
+    """A router file records a node count the request left to the machine as None (runtime.tree_defaults): on this
+    machine it stands for that default, so a request naming the same count is not warned about and one more is."""
+    from whiflash_trt.config import DFlashTreeConfig, SpecConfig, TreeConfig
+
+    target = tiny_checkpoint("spec")
+    drafters = save_drafters(tmp_path, target, router=False)
+    probe = Engine.load(build_tiny_engine(target, tmp_path / "probe", **drafters), round_costs_cache=tmp_path)
+    fitted = probe.tree_shapes(SpecConfig(mode="whiflash"))
+    assert fitted["eagle3"]["total_tokens"] is None and fitted["dflash"]["total_tokens"] is None
+    save_throughput_router(AcceptancePredictor(4, len(FEATURES)), tmp_path / "router.safetensors", 1.0,
+                           {"eagle3": 0.0, "dflash": 0.0}, {"none": 1.0, "eagle3": 2.0, "dflash": 2.0}, 0.5, 0.0,
+                           trees=fitted)
+    engine = Engine.load(build_tiny_engine(target, tmp_path / "engine", router=tmp_path / "router.safetensors",
+                                           **drafters), round_costs_cache=tmp_path)
+    nodes = {d: p.max_tree_tokens() for d, p in engine.proposers.items()}
+    capsys.readouterr()
+    engine.router_for(SpecConfig(mode="whiflash", router="neural", tree=TreeConfig(total_tokens=nodes["eagle3"]),
+                                 dflash_tree=DFlashTreeConfig(total_tokens=nodes["dflash"])))
+    assert capsys.readouterr().err == ""
+    engine.router_for(SpecConfig(mode="whiflash", router="neural", tree=TreeConfig(total_tokens=nodes["eagle3"] + 1)))
+    assert f'"total_tokens": {nodes["eagle3"] + 1}' in capsys.readouterr().err

@@ -17,6 +17,7 @@ from whiflash_trt.prompt_lines import parse_prompt_lines
 from whiflash_trt.runtime.device import check_device, default_threads, set_threads
 from whiflash_trt.runtime.kv_cache import KVCacheExhausted
 from whiflash_trt.runtime.text_stream import TextStream
+from whiflash_trt.runtime.tree_defaults import DEFAULT_NODES_HELP
 
 PROMPT_SEPARATOR = "-" * 40  # between the outputs of several prompts in plain-text mode
 
@@ -249,14 +250,14 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-depth", type=int, help=f"EAGLE-3 tree: draft steps per round "
                                                   f"(default: {TreeConfig.depth})")
     p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round at most, root "
-                                                         f"included (default: {TreeConfig.total_tokens})")
+                                                         f"included (default: {DEFAULT_NODES_HELP[EAGLE3]})")
     p.add_argument("--tree-min-prob", type=float, help=f"EAGLE-3 tree: nodes whose path probability under the "
                                                        f"drafter is lower are not verified "
                                                        f"(default: {TreeConfig.min_prob})")
     p.add_argument("--dflash-tree-total-tokens", type=int,
                    help="DFlash tree (DDTree): nodes verified per round at most, root included, the most probable "
                         "prefixes under the block's per-position distributions "
-                        f"(default: {DFlashTreeConfig.DEFAULT_NODES}, or what the block holds)")
+                        f"(default: {DEFAULT_NODES_HELP[DFLASH]}, or what the block holds)")
     p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
                                                          "chain (default: no limit)")
     p.add_argument("--dflash-tree-min-prob", type=float, help="DFlash tree: prefixes less probable than this are "

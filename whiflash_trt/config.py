@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, asdict
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -202,7 +202,8 @@ CATCH_UP = ("lazy", "eager")
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Shape of EAGLE-3's dynamic draft tree."""
+    """Shape of EAGLE-3's dynamic draft tree. total_tokens None: the default of the CPU's GEMM loop
+    (runtime.tree_defaults: 8 on AMX tiles, else 6)."""
     # Measured on the compiled CPU engine, where a verify's GEMMs are compute-bound past a few rows (a 16-node verify
     # costs ~2.4x a decode step): 6 nodes beat 16 and 8 in every benchmark category (whiflash-bench
     # --tree-total-tokens 4/6/8/16, 2 prompts per category), and top-k 3 beat 4 (3 prompts per category). Depth,
@@ -228,18 +229,20 @@ class TreeConfig:
     # at 0.05 1.636, 4,3,12 at 0.05 1.637; 3,2,6 1.564, 3,3,10 at 0.03 1.612 and at 0.08 1.607, 4,4,16 at 0.05 1.592;
     # prompts 10-14, 3,2,6 1.516, 3,3,10 at 0.05 1.558, 3,3,8 at 0.05 1.554, 4,3,10 at 0.05 1.555; the benchmark's
     # own prompts (--skip 0, a check, not a choice): 3,2,6 1.495, 3,3,10 at 0.05 1.529, 3,3,8 at 0.05 1.559. The
-    # default: 3,3,8 at 0.05, as good as 10 nodes on held-out prompts and never verifying more than 8 rows. The
+    # default: 3,3,8 at 0.05, as good as 10 nodes on held-out prompts and never verifying more than 8 rows. Where
+    # the GEMM takes 6 rows per pass (no AMX) 6 nodes beat 8 (runtime.tree_defaults), so the node count is the
+    # machine's. The
     # router's labels are each drafter's accepted drafts with the default trees, so it was refit for them
     # (MODEL_CARD.md, Router); a first refit routed worse, with costs calibrated on one code prompt that put
     # EAGLE-3's adaptive round at 1.11x DFlash's where the bench measured 1.06x (runtime.round_costs now calibrates
     # on a code and a prose prompt: 1.08x).
     top_k: int = 3            # children per expanded node (1 = a chain)
     depth: int = 3            # draft steps per round
-    total_tokens: int = 8     # nodes verified per round at most, root (bonus) included
+    total_tokens: int | None = None   # nodes verified per round at most, root (bonus) included; None: see above
     min_prob: float = 0.05    # nodes whose path probability under the drafter is below this are not verified
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:
+        if self.top_k < 1 or self.depth < 1 or (self.total_tokens is not None and self.total_tokens < 2):
             raise ValueError(f"tree needs top_k >= 1, depth >= 1, total_tokens >= 2; got {self.top_k}, "
                              f"{self.depth}, {self.total_tokens}")
         check_min_prob(self.min_prob)
@@ -249,8 +252,9 @@ class TreeConfig:
 class DFlashTreeConfig:
     """DFlash's draft per round, from one block forward: the DDTree of the total_tokens - 1 most probable prefixes
     under the block's per-position distributions (spec.ddtree); top_k 1 is the block's chain of total_tokens - 1
-    argmax drafts. total_tokens None: DEFAULT_NODES, or fewer where the block (and top_k) cannot hold that many."""
-    # DEFAULT_NODES is measured on the compiled CPU engine (whiflash-bench --modes ar,dflash --num-prompts 3
+    argmax drafts. total_tokens None: the default of the CPU's GEMM loop (runtime.tree_defaults: 5 on AMX tiles, else
+    6), or fewer where the block (and top_k) cannot hold that many."""
+    # The default node count is measured on the compiled CPU engine (whiflash-bench --modes ar,dflash --num-prompts 3
     # --max-new-tokens 64 --dflash-tree-total-tokens N, 2 threads): its GEMM takes up to 6 rows per pass over the
     # weights, so a 6-node verify costs about a 5-node one and a 7-node one ~5 ms more (round 24.1 vs 29.1 ms).
     # N = 4/5/6/7 ran at 0.94/0.97/0.92/0.84x `ar` over all categories, the block's 8-node chain at 0.77x (tau 1.63;
@@ -262,8 +266,8 @@ class DFlashTreeConfig:
     # 1.520x, 8 1.523x (--num-prompts 3); 5 nodes 1.497x, 4 1.466x (--num-prompts 5). A probability floor (min_prob)
     # does not pay here (2026-12-04, same CPU, compare_tree_shapes.py --dflash N@P as above, 20 prompts): prompts
     # 15-19, 5 nodes 1.491x, at 0.02/0.05/0.1 1.488x/1.494x/1.485x; again 1.488x, 8 at 0.05 1.499x, 10 at 0.08
-    # 1.516x; prompts 10-14, 5 nodes 1.476x, 8 at 0.08 1.448x, 10 at 0.08 1.435x, 10 at 0.05 1.476x.
-    DEFAULT_NODES: ClassVar[int] = 5
+    # 1.516x; prompts 10-14, 5 nodes 1.476x, 8 at 0.08 1.448x, 10 at 0.08 1.435x, 10 at 0.05 1.476x. On the AMD
+    # EPYC of 2026-12-04, with DFlash's int8 layers, 6 nodes beat 5 (runtime.tree_defaults).
     total_tokens: int | None = None   # nodes verified per round at most, root (bonus) included; None: see above
     top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
     min_prob: float = 0.0             # prefixes less probable than this (product of the marginals) are not verified

@@ -9,10 +9,11 @@ from pathlib import Path
 from whiflash_trt.bench.harness import BenchOptions, run_benchmark
 from whiflash_trt.bench.modes import BASE_MODES
 from whiflash_trt.bench.prompts import CATEGORIES
-from whiflash_trt.config import CATCH_UP, DFlashTreeConfig, SpecConfig, TreeConfig
+from whiflash_trt.config import CATCH_UP, DFLASH, EAGLE3, DFlashTreeConfig, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.runtime.device import default_threads
+from whiflash_trt.runtime.tree_defaults import DEFAULT_NODES_HELP
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -58,12 +59,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-top-k", type=int, default=TreeConfig.top_k, help="EAGLE-3 tree: children per node")
     p.add_argument("--tree-depth", type=int, default=TreeConfig.depth, help="EAGLE-3 tree: draft steps")
     p.add_argument("--tree-total-tokens", type=int, default=TreeConfig.total_tokens,
-                   help="EAGLE-3 tree: nodes verified per round at most, root included")
+                   help="EAGLE-3 tree: nodes verified per round at most, root included "
+                        f"(default: {DEFAULT_NODES_HELP[EAGLE3]})")
     p.add_argument("--tree-min-prob", type=float, default=TreeConfig.min_prob,
                    help="EAGLE-3 tree: nodes whose path probability under the drafter is lower are not verified")
     p.add_argument("--dflash-tree-total-tokens", type=int,
                    help="DFlash tree (DDTree): nodes verified per round at most, root included "
-                        f"(default: {DFlashTreeConfig.DEFAULT_NODES}, or what the block holds)")
+                        f"(default: {DEFAULT_NODES_HELP[DFLASH]}, or what the block holds)")
     p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
                                                          "chain (default: no limit)")
     p.add_argument("--dflash-tree-min-prob", type=float, default=DFlashTreeConfig.min_prob,

@@ -174,6 +174,7 @@ def run_benchmark(opts: BenchOptions) -> dict:
                     "by_category": _prompt_index(prompts, ids)},
         "modes": {m.name: {"base": m.base, **asdict(m.spec)} for m in modes},
         "generation": {"greedy": True, "max_new_tokens": opts.max_new_tokens, "warmup_prompts": opts.warmup},
+        "trees": engine.resolved_tree_shapes(engine.tree_shapes(opts.spec)),   # the nodes this machine verifies
         "summary": summary,
         "roofline": limit,
         "lossless": lossless,

@@ -98,8 +98,8 @@ def round_costs(records: list[dict]) -> dict[str, float]:
 
 
 def prompt_accepted(engine, prompt_ids: list[int], output_ids: list[int], spec: SpecConfig) -> dict[str, list[int]]:
-    """drafter -> accepted drafts at each state 0..M-2 of this greedy output (EAGLE-3's tree as in `spec`)."""
-    proposers = engine.proposers_for(SpecConfig(mode=WHIFLASH, tree=spec.tree))
+    """drafter -> accepted drafts at each state 0..M-2 of this greedy output (the trees as in `spec`)."""
+    proposers = engine.proposers_for(SpecConfig(mode=WHIFLASH, tree=spec.tree, dflash_tree=spec.dflash_tree))
     if len(output_ids) < 2:
         return {name: [] for name in proposers}
     tokens = list(prompt_ids) + list(output_ids)

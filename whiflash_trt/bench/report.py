@@ -60,6 +60,20 @@ def render(results: dict) -> str:
     return "\n".join(parts)
 
 
+def _trees(trees: dict[str, dict]) -> str:
+    """A run's draft trees as verified (node counts resolved for its machine)."""
+    parts = []
+    if "eagle3" in trees:
+        t = trees["eagle3"]
+        parts.append(f"EAGLE-3 top-k {t['top_k']}, depth {t['depth']}, {t['total_tokens']} nodes, "
+                     f"floor {t['min_prob']}")
+    if "dflash" in trees:
+        t = trees["dflash"]
+        parts.append(f"DFlash DDTree of {t['total_tokens']} nodes" + (f", top-k {t['top_k']}" if t["top_k"] else "")
+                     + (f", floor {t['min_prob']}" if t["min_prob"] else ""))
+    return "; ".join(parts)
+
+
 def _setup(r: dict) -> str:
     env, eng, p = r["environment"], r["engine"], r["prompts"]
     m, v = env["machine"], env["versions"]
@@ -76,6 +90,8 @@ def _setup(r: dict) -> str:
             ["versions", ", ".join(f"{k} {val}" for k, val in v.items())],
             ["prompts", f"{p['num']} prompts, digest `{p['digest'][:16]}`"],
             ["run time", f"{r['seconds']:.0f} s"]]
+    if "trees" in r:   # results from before the trees were recorded have none
+        rows.insert(5, ["draft trees", _trees(r["trees"])])
     cats = [[c, str(d["num"]), "; ".join(d["sources"]), _f(sum(d["prompt_tokens"]) / d["num"], "{:.0f}")]
             for c, d in p["by_category"].items()]
     return ("# whiflash-bench results\n\n" + _table(["", ""], rows) + "\n### Prompt sets\n\n"

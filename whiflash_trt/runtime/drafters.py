@@ -19,6 +19,7 @@ from whiflash_trt.models.layers import FrozenLinear
 from whiflash_trt.runtime.kv_cache import KVPool
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.runtime.target_runner import joined
+from whiflash_trt.runtime.tree_defaults import default_nodes
 from whiflash_trt.spec.ddtree import prefix_tree, ranks_needed
 from whiflash_trt.spec.tree import DraftTree, select_nodes
 
@@ -66,6 +67,7 @@ class Eagle3Proposer(Proposer):
 
     def __init__(self, model: Eagle3, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         super().__init__(model, pool, target, union)
+        self.default_nodes = default_nodes(self.name, pool.k.device)   # a tree's when the request names none
         # draft id -> target id as a list, read once: a lookup per drafted token instead of torch ops every depth
         self.target_ids: list[int] = model.to_target_ids(torch.arange(model.config.draft_vocab_size)).tolist()
 
@@ -84,7 +86,7 @@ class Eagle3Proposer(Proposer):
         return (self.tree.depth - 1) * self.tree.top_k
 
     def max_tree_tokens(self) -> int:
-        return self.tree.total_tokens
+        return self.tree.total_tokens or self.default_nodes
 
     @torch.inference_mode()
     def catch_up(self, seq: Sequence, end: int | None = None, start: int | None = None) -> int:
@@ -135,7 +137,8 @@ class Eagle3Proposer(Proposer):
                 rows = slice(first, first + len(s.level))
                 s.grow(step, values[rows], ids[rows], out[rows], k)
                 first = rows.stop
-        return [Proposal(s.tree(self.tree.total_tokens, self.tree.min_prob), frontier=s.n) for s in searches]
+        nodes = self.max_tree_tokens()
+        return [Proposal(s.tree(nodes, self.tree.min_prob), frontier=s.n) for s in searches]
 
     def to_target(self, draft_ids: torch.Tensor) -> list[list[int]]:
         table = self.target_ids
@@ -201,6 +204,7 @@ class DFlashProposer(Proposer):
 
     def __init__(self, model: DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         super().__init__(model, pool, target, union)
+        self.default_nodes = default_nodes(self.name, pool.k.device)   # a tree's when the request names none
         # the block's mask-token rows (blocks_embeddings): the drafter's own embedding, or the target's row of the mask
         # token
         with torch.no_grad():
@@ -243,7 +247,7 @@ class DFlashProposer(Proposer):
         if self.tree.total_tokens is not None:
             return self.tree.total_tokens
         fits = max_prefix_tree_nodes(self.draft_block_len - 1, self.tree.top_k)
-        return int(min(DFlashTreeConfig.DEFAULT_NODES, fits))
+        return int(min(self.default_nodes, fits))
 
     @torch.inference_mode()
     def catch_up(self, seq: Sequence, end: int | None = None, start: int | None = None) -> int:

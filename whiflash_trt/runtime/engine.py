@@ -20,7 +20,8 @@ from typing import Callable, Iterator
 import torch
 
 from whiflash_trt import kernels
-from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, CacheConfig, GenerationConfig, SpecConfig
+from whiflash_trt.config import (DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, CacheConfig, DFlashTreeConfig,
+                                 GenerationConfig, SpecConfig, TreeConfig)
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.models.contracts import TargetOutput
 from whiflash_trt.runtime.drafters import PROPOSERS, Proposer
@@ -143,22 +144,27 @@ class Engine:
         return EntropyRouter(default, none_threshold=f.entropy_none_threshold if f is not None else math.inf)
 
     def tree_shapes(self, spec: SpecConfig) -> dict[str, dict]:
-        """The draft trees `spec` makes each drafter of this engine grow, as a router file records them."""
-        shapes = {}
-        if EAGLE3 in self.proposers:
-            shapes[EAGLE3] = dataclasses.asdict(spec.tree)
-        if DFLASH in self.proposers:
-            df = self.proposers[DFLASH].for_spec(spec)
-            shapes[DFLASH] = {"total_tokens": df.max_tree_tokens(), "top_k": spec.dflash_tree.top_k,
-                              "min_prob": spec.dflash_tree.min_prob}
-        return shapes
+        """The draft trees `spec` makes each drafter of this engine grow, as a router file records them: a node count
+        the request leaves to the machine (runtime.tree_defaults) stays None."""
+        trees = {EAGLE3: spec.tree, DFLASH: spec.dflash_tree}
+        return {d: dataclasses.asdict(trees[d]) for d in (EAGLE3, DFLASH) if d in self.proposers}
+
+    def resolved_tree_shapes(self, shapes: dict[str, dict]) -> dict[str, dict]:
+        """`shapes` (tree_shapes, or a router file's) with each node count as this engine's drafters resolve it; a
+        file from before the trees' probability floor records none: its trees had none (0)."""
+        resolved = {}
+        for d, shape in shapes.items():
+            if d in self.proposers:
+                tree = (TreeConfig if d == EAGLE3 else DFlashTreeConfig)(**{"min_prob": 0.0, **shape})
+                nodes = self.proposers[d].with_tree(tree).max_tree_tokens()
+                resolved[d] = {**dataclasses.asdict(tree), "total_tokens": nodes}
+        return resolved
 
     def _check_router_trees(self, spec: SpecConfig) -> None:
         """Say once per tree shape when the router was fit for other draft trees: its predicted acceptance (and so
         its choices) may then be off, though output stays exact."""
-        shapes = self.tree_shapes(spec)
-        # a file from before the trees' probability floor records none: its trees had none (0)
-        fitted = {d: {"min_prob": 0.0, **shape} for d, shape in self.router_file.trees.items()}
+        shapes = self.resolved_tree_shapes(self.tree_shapes(spec))
+        fitted = self.resolved_tree_shapes(self.router_file.trees)
         key = json.dumps(shapes, sort_keys=True)
         if fitted and fitted != shapes and key not in self._warned_trees:
             self._warned_trees.add(key)

@@ -72,7 +72,8 @@ def calibration_key(engine) -> str:
             "proposers": sorted(f"{n}:{type(p.model).__name__}" for n, p in engine.proposers.items()),
             "device": str(engine.device), "threads": torch.get_num_threads(), "cpu": cpu_model(),
             "gemm": kernels.gemm() if kernels.registered() else None,
-            "trees": [repr(TreeConfig()), repr(DFlashTreeConfig()), DFlashTreeConfig.DEFAULT_NODES],
+            "trees": [repr(TreeConfig()), repr(DFlashTreeConfig()),
+                      {n: p.max_tree_tokens() for n, p in sorted(engine.proposers.items())}],
             "version": __version__, "prompts": CALIBRATION_PROMPTS}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

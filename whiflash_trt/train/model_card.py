@@ -89,11 +89,12 @@ def build_card(data: Path, eagle3_run: Path, dflash_run: Path, final: Path, benc
     if evals:
         tree = next((r["tree"] for r in evals if "tree" in r), {"top_k": 4, "depth": 5, "total_tokens": 16})
         prompts = evals[0].get("prompts", {})
+        nodes = tree["total_tokens"] or "the machine's default number of"
         parts += ["## Validation acceptance length (runtime, greedy, bf16, validation prompts)\n",
                   f"Mean tau per round (accepted drafts + 1) on {sum(prompts.values())} validation prompts "
                   f"({json.dumps(prompts)}), EAGLE-3 tree top_k {tree['top_k']} / depth {tree['depth']} / "
-                  f"{tree['total_tokens']} nodes, DFlash block as configured; `lossless` = every speculative output "
-                  "equal to the target-only output.\n",
+                  f"{nodes} nodes, DFlash block as configured; `lossless` = every speculative output equal to the "
+                  "target-only output.\n",
                   _tau_table(evals)]
         parts.append("lossless: " + ", ".join(str(r.get("lossless")) for r in evals) + "\n")
     if router:

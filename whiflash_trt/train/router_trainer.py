@@ -285,7 +285,8 @@ def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, m
     samples: dict[str, list[float]] = {NO_DRAFT: [], EAGLE3: [], DFLASH: []}
     for ids in prompt_ids:
         for name, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH)):
-            st = engine.generate(ids, gen, spec=SpecConfig(mode=mode, tree=spec.tree)).stats
+            shaped = SpecConfig(mode=mode, tree=spec.tree, dflash_tree=spec.dflash_tree)
+            st = engine.generate(ids, gen, spec=shaped).stats
             samples[name].append(steady_seconds_per_round(st))
     return {name: statistics.median(xs) for name, xs in samples.items()}
 

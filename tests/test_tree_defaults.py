@@ -1,0 +1,24 @@
+"""A draft tree's default node count follows the verify's GEMM loop: 8 / 5 nodes (EAGLE-3 / DFlash) where it runs on
+AMX tiles of 16 rows, 6 / 6 where it takes 6 rows per pass, and a request's own count wins."""
+import torch
+
+from whiflash_trt import kernels
+from whiflash_trt.config import DFLASH, EAGLE3, SpecConfig, TreeConfig
+from whiflash_trt.runtime import tree_defaults
+from whiflash_trt.runtime.tree_defaults import default_nodes
+
+
+def test_the_default_node_counts_follow_the_gemm_loop(monkeypatch):
+    monkeypatch.setattr(kernels, "registered", lambda: True)
+    for gemm, expected in (("amx", {EAGLE3: 8, DFLASH: 5}), ("dot", {EAGLE3: 6, DFLASH: 6}),
+                           ("fma", {EAGLE3: 6, DFLASH: 6})):
+        monkeypatch.setattr(kernels, "gemm", lambda g=gemm: g)
+        assert {d: default_nodes(d, torch.device("cpu")) for d in (EAGLE3, DFLASH)} == expected
+    monkeypatch.setattr(kernels, "gemm", lambda: "amx")
+    assert default_nodes(EAGLE3, torch.device("meta")) == tree_defaults.NODES[EAGLE3]   # not the CPU's loop
+
+
+def test_a_proposer_verifies_the_machines_default_unless_the_request_names_a_count(spec_engine):
+    proposer = spec_engine.proposers[EAGLE3]
+    assert proposer.max_tree_tokens() == default_nodes(EAGLE3, spec_engine.device)
+    assert proposer.for_spec(SpecConfig(tree=TreeConfig(total_tokens=3))).max_tree_tokens() == 3
