@@ -18,7 +18,10 @@ def test_the_default_node_counts_follow_the_gemm_loop(monkeypatch):
     assert default_nodes(EAGLE3, torch.device("meta")) == tree_defaults.NODES[EAGLE3]   # not the CPU's loop
 
 
-def test_a_proposer_verifies_the_machines_default_unless_the_request_names_a_count(spec_engine):
-    proposer = spec_engine.proposers[EAGLE3]
-    assert proposer.max_tree_tokens() == default_nodes(EAGLE3, spec_engine.device)
+def test_a_proposer_verifies_the_machines_default_unless_the_request_names_a_count(spec_engine_dir):
+    from whiflash_trt.runtime.engine import Engine
+
+    engine = Engine.load(spec_engine_dir)   # its own load: the default follows the loop chosen when it loads
+    proposer = engine.proposers[EAGLE3]
+    assert proposer.max_tree_tokens() == default_nodes(EAGLE3, engine.device)
     assert proposer.for_spec(SpecConfig(tree=TreeConfig(total_tokens=3))).max_tree_tokens() == 3
