@@ -231,8 +231,7 @@ class TreeConfig:
     # own prompts (--skip 0, a check, not a choice): 3,2,6 1.495, 3,3,10 at 0.05 1.529, 3,3,8 at 0.05 1.559. The
     # default: 3,3,8 at 0.05, as good as 10 nodes on held-out prompts and never verifying more than 8 rows. Where
     # the GEMM takes 6 rows per pass (no AMX) 6 nodes beat 8 (runtime.tree_defaults), so the node count is the
-    # machine's. The
-    # router's labels are each drafter's accepted drafts with the default trees, so it was refit for them
+    # machine's. The router's labels are each drafter's accepted drafts with the default trees, so it was refit for them
     # (MODEL_CARD.md, Router); a first refit routed worse, with costs calibrated on one code prompt that put
     # EAGLE-3's adaptive round at 1.11x DFlash's where the bench measured 1.06x (runtime.round_costs now calibrates
     # on a code and a prose prompt: 1.08x).
@@ -266,8 +265,8 @@ class DFlashTreeConfig:
     # 1.520x, 8 1.523x (--num-prompts 3); 5 nodes 1.497x, 4 1.466x (--num-prompts 5). A probability floor (min_prob)
     # does not pay here (2026-12-04, same CPU, compare_tree_shapes.py --dflash N@P as above, 20 prompts): prompts
     # 15-19, 5 nodes 1.491x, at 0.02/0.05/0.1 1.488x/1.494x/1.485x; again 1.488x, 8 at 0.05 1.499x, 10 at 0.08
-    # 1.516x; prompts 10-14, 5 nodes 1.476x, 8 at 0.08 1.448x, 10 at 0.08 1.435x, 10 at 0.05 1.476x. On the AMD
-    # EPYC of 2026-12-04, with DFlash's int8 layers, 6 nodes beat 5 (runtime.tree_defaults).
+    # 1.516x; prompts 10-14, 5 nodes 1.476x, 8 at 0.08 1.448x, 10 at 0.08 1.435x, 10 at 0.05 1.476x. On an AMD
+    # EPYC (dot loop) on 2026-12-04 6 nodes beat 5 (runtime.tree_defaults).
     total_tokens: int | None = None   # nodes verified per round at most, root (bonus) included; None: see above
     top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
     min_prob: float = 0.0             # prefixes less probable than this (product of the marginals) are not verified

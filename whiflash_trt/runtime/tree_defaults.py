@@ -3,8 +3,8 @@ DFlashTreeConfig.total_tokens None): set by the rows the verify's GEMM takes per
 where a verified node stops being nearly free.
 
 - The kernels' AMX loop (kernels.GEMM_VARIANTS) takes 16 rows per tile: on an Intel Xeon with AMX (family 6 model
-  167) EAGLE-3's 8 nodes with its 0.05 floor beat 6 and 10, and DFlash's 5 nodes tied 6 and beat 4 and 8 (the
-  measurements are in config.TreeConfig and config.DFlashTreeConfig).
+  167) EAGLE-3's 8 nodes with its 0.05 floor were as good as 10 and beat the 2-step trees of 6, and DFlash's 5
+  nodes were within noise of 6 to 8 and beat 4 (the measurements are in config.TreeConfig and DFlashTreeConfig).
 - The FMA and dot loops take 6 rows per pass, and each further row is a second pass over the weights in cache. On an
   AMD EPYC (family 25 model 17, Zen 4, dot loop, 2 threads; 2026-12-04, `python scripts/compare_tree_shapes.py
   --eagle3 ... --dflash ... --num-prompts 5 --skip S --threads 2`, 20 held-out prompts, 96 new tokens, every output
