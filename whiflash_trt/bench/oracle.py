@@ -15,7 +15,7 @@ The model leaves out what a real switch adds (a longer catch-up backlog) and rou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from whiflash_trt.config import AR, DFLASH, EAGLE3, WHIFLASH, SpecConfig
@@ -99,7 +99,7 @@ def round_costs(records: list[dict]) -> dict[str, float]:
 
 def prompt_accepted(engine, prompt_ids: list[int], output_ids: list[int], spec: SpecConfig) -> dict[str, list[int]]:
     """drafter -> accepted drafts at each state 0..M-2 of this greedy output (the trees as in `spec`)."""
-    proposers = engine.proposers_for(SpecConfig(mode=WHIFLASH, tree=spec.tree, dflash_tree=spec.dflash_tree))
+    proposers = engine.proposers_for(replace(spec, mode=WHIFLASH))
     if len(output_ids) < 2:
         return {name: [] for name in proposers}
     tokens = list(prompt_ids) + list(output_ids)

@@ -40,6 +40,7 @@ class Proposer:
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         self.model, self.pool, self.target = model, pool, target
+        self.default_nodes = default_nodes(self.name, pool.k.device)   # a tree's when the request names none
         self.cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
         # how own_features selects them: not at all (both drafters read the same layers), a slice (a view) where they
         # are one run, else the index
@@ -67,7 +68,6 @@ class Eagle3Proposer(Proposer):
 
     def __init__(self, model: Eagle3, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         super().__init__(model, pool, target, union)
-        self.default_nodes = default_nodes(self.name, pool.k.device)   # a tree's when the request names none
         # draft id -> target id as a list, read once: a lookup per drafted token instead of torch ops every depth
         self.target_ids: list[int] = model.to_target_ids(torch.arange(model.config.draft_vocab_size)).tolist()
 
@@ -204,7 +204,6 @@ class DFlashProposer(Proposer):
 
     def __init__(self, model: DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         super().__init__(model, pool, target, union)
-        self.default_nodes = default_nodes(self.name, pool.k.device)   # a tree's when the request names none
         # the block's mask-token rows (blocks_embeddings): the drafter's own embedding, or the target's row of the mask
         # token
         with torch.no_grad():

@@ -20,7 +20,8 @@ The short calibration understated DFlash's round against EAGLE-3's and so sent D
 
 Earlier (2026-12-01, AMD EPYC, 2 threads) a calibration at a 200-token context with catch-up, against a router
 whose threshold (1.3) had been fit to the short calibration's costs, skipped drafting in 81% of the bench's rounds;
-the shipped router's threshold is 1.0 (the plain objective) and its predictions do not depend on the costs.
+the shipped router's threshold (1.2 since its refit of 2026-12-04, night) is chosen in simulation under the costs
+it was fit with; its predictions do not depend on the costs.
 
 The costs of an engine directory are kept (`cached_round_seconds`) in the user's cache, one small JSON file per
 engine (its manifest), backend, thread count, CPU model, GEMM loop, default tree shapes, prompts and whiflash-trt

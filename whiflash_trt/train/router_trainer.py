@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -285,8 +285,7 @@ def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, m
     samples: dict[str, list[float]] = {NO_DRAFT: [], EAGLE3: [], DFLASH: []}
     for ids in prompt_ids:
         for name, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH)):
-            shaped = SpecConfig(mode=mode, tree=spec.tree, dflash_tree=spec.dflash_tree)
-            st = engine.generate(ids, gen, spec=shaped).stats
+            st = engine.generate(ids, gen, spec=replace(spec, mode=mode)).stats
             samples[name].append(steady_seconds_per_round(st))
     return {name: statistics.median(xs) for name, xs in samples.items()}
 
