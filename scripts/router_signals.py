@@ -58,16 +58,24 @@ ALPHA = 0.5
 def confidences(state, e3, df) -> tuple[list[float], float]:
     """(DFlash's per-position top-1 probabilities, EAGLE-3's first-step top-1 probability) at a replay state.
     The same forwards as the proposers' (DFlashProposer.propose, Eagle3Proposer.propose's root), rerun here for
-    the probabilities the Proposal does not carry; the root rewrites the K/V it wrote, nothing else changes."""
+    the probabilities the Proposal does not carry."""
     seq, n, dev = state.seq, state.position, df.pool.k.device
     hidden = df.model(df.block_embeddings(seq.pending), torch.arange(n, n + df.draft_block_len, device=dev),
                       df.pool.k, df.pool.v, seq.slots(0, n).to(dev))
     q = torch.softmax(df.target.logits(hidden[1:]).float(), dim=-1).max(dim=-1).values
+    return q.tolist(), e3_root_top1(state, e3)
+
+
+@torch.inference_mode()
+def e3_root_top1(state, e3) -> float:
+    """EAGLE-3's first-step top-1 probability at a replay state: its root forward, which rewrites the K/V it
+    wrote, nothing else changes."""
+    seq, n, dev = state.seq, state.position, e3.pool.k.device
     m, read = e3.model, seq.slots(0, n).to(dev)
     g = m.fc(seq.features_between(n - 1, n)[:, e3.cols])
     h = m(e3.target.embed(torch.tensor([seq.pending], device=dev)), g, torch.tensor([n - 1], device=dev),
           e3.pool.k, e3.pool.v, read[n - 1:n], read, torch.ones(1, n, dtype=torch.bool, device=dev))
-    return q.tolist(), float(m.draft_logprobs(h)[0].max().exp())
+    return float(m.draft_logprobs(h)[0].max().exp())
 
 
 @torch.inference_mode()
