@@ -66,6 +66,30 @@ def test_commit_beyond_capacity_is_refused():
     assert seq.tokens == [1, 2, 3] and seq.pending == 9
 
 
+
+def test_the_feature_backlog_keeps_the_rows_no_drafter_has_caught_up_on():
+    """Rows of positions [min frontier, N), whatever the rounds' sizes and however far a drafter falls behind."""
+    rng = random.Random(0)
+    seq = Sequence([1, 2, 3], BlockAllocator(64), BS)
+    seq.reserve(200)
+    rows = torch.arange(200 * 3, dtype=torch.float32).view(200, 3)   # row i: the features of position i
+    seq.commit([1, 2, 3], 7, rows[:3], {"a": 0, "b": 0})
+    frontiers = {"a": 0, "b": 0}
+    while seq.num_committed < 190:
+        n, k = seq.num_committed, rng.randint(1, 6)
+        d = rng.choice("aab")                  # "b" catches up now and then: its backlog grows in between
+        frontiers[d] = n
+        seq.commit([7] * k, 7, rows[n:n + k], dict(frontiers))
+        start = min(frontiers.values())
+        assert seq.features_start == start
+        assert torch.equal(seq.features, rows[start:seq.num_committed])
+        assert torch.equal(seq.features_between(n, n + k), rows[n:n + k])
+    assert seq.features_start > 0
+    for start, end in ((seq.features_start - 1, seq.num_committed), (seq.features_start, seq.num_committed + 1)):
+        with pytest.raises(IndexError, match="not in the backlog"):
+            seq.features_between(start, end)
+
+
 @pytest.mark.parametrize("path", [[0, 2, 5], [1, 2, 3], [3], [0, 1, 2], [2, 3, 6, 7]])
 def test_compaction_moves_accepted_tree_nodes_to_contiguous_slots(path):
     allocator = BlockAllocator(16)
