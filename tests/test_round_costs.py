@@ -1,5 +1,5 @@
 """The throughput router file at load: round costs measured at an engine's first load on a machine and read back at
-later loads; a warning when a request drafts other trees than the router was fit for."""
+later loads, then kept current by the rounds; a warning when a request drafts other trees than the router was fit for."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ import torch
 
 from tiny_drafters import build_tiny_engine, save_drafters
 from whiflash_trt.runtime.engine import Engine
-from whiflash_trt.runtime.round_costs import calibration_key
+from whiflash_trt.runtime.round_costs import LiveRoundSeconds, calibration_key
 from whiflash_trt.spec.router import FEATURES, AcceptancePredictor
 from whiflash_trt.spec.router_file import save_throughput_router
 
@@ -131,3 +131,58 @@ def test_a_node_count_left_to_the_machine_matches_the_same_count_named(tmp_path,
     assert capsys.readouterr().err == ""
     engine.router_for(SpecConfig(mode="whiflash", router="neural", tree=TreeConfig(total_tokens=nodes["eagle3"] + 1)))
     assert f'"total_tokens": {nodes["eagle3"] + 1}' in capsys.readouterr().err
+
+
+def test_live_round_seconds_move_toward_each_observed_round():
+    costs = LiveRoundSeconds({"none": 1.0, "eagle3": 2.0})
+    costs.observe("none", 3.0)
+    assert costs["none"] == pytest.approx(1.0 + LiveRoundSeconds.ALPHA * 2.0) and costs["eagle3"] == 2.0
+    costs.observe("dflash", 1.0)     # not seeded: not tracked
+    costs.observe("eagle3", 0.0)     # no time measured: no change
+    assert dict(costs) == {"none": pytest.approx(1.1), "eagle3": 2.0}
+    for _ in range(200):
+        costs.observe("eagle3", 0.5)
+    assert costs["eagle3"] == pytest.approx(0.5, rel=1e-3)
+    fixed = LiveRoundSeconds({"none": 1.0}, alpha=0.0)
+    fixed.observe("none", 3.0)
+    assert fixed["none"] == 1.0
+    with pytest.raises(ValueError, match="alpha"):
+        LiveRoundSeconds({"none": 1.0}, alpha=1.5)
+
+
+def test_the_throughput_router_weighs_the_costs_as_they_are_at_each_choice():
+    from whiflash_trt.spec.router import RouteSignal, ThroughputRouter
+
+    p = AcceptancePredictor(4)
+    with torch.no_grad():
+        p.fc2.weight.zero_()
+        p.fc2.bias.copy_(torch.tensor([1.0, 0.0]))   # EAGLE-3 commits 2 tokens a round, DFlash 1
+    costs = LiveRoundSeconds({"none": 1.0, "eagle3": 1.5, "dflash": 1.5})
+    router = ThroughputRouter(p, costs, 1.0, {"eagle3": 1.0, "dflash": 0.0})
+    signal = RouteSignal(1.0, torch.zeros(4), 0.5)
+    assert router.choose(signal) == "eagle3"          # 2 / 1.5 s beats 1 / 1 s
+    for _ in range(100):                              # EAGLE-3's rounds now take 3 s
+        costs.observe("eagle3", 3.0)
+    assert router.choose(signal) == "none"            # 2 / ~3 s does not
+
+
+def test_the_engine_keeps_the_costs_current_from_the_rounds_a_request_runs_alone(v2_engine_dir, tmp_path):
+    from whiflash_trt.config import GenerationConfig, SpecConfig
+    from whiflash_trt.runtime.batch import Batch
+
+    engine = Engine.load(v2_engine_dir, round_costs_cache=tmp_path)
+    engine.round_seconds = {"none": 100.0, "eagle3": 100.0, "dflash": 100.0}   # far from any round here
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    engine.generate([5, 6, 7], gen, spec=SpecConfig(mode="ar"))
+    assert engine.round_seconds["none"] < 100.0 * (1 - LiveRoundSeconds.ALPHA) ** 5
+    assert (engine.round_seconds["eagle3"], engine.round_seconds["dflash"]) == (100.0, 100.0)
+    engine.generate([5, 6, 7], gen, spec=SpecConfig(mode="dflash"))
+    assert engine.round_seconds["dflash"] < 100.0 and engine.round_seconds["eagle3"] == 100.0
+    # two requests in one batch share each round (one target forward): no round is either one's alone
+    before = dict(engine.round_seconds)
+    batch = Batch(engine, max_running=2)
+    for prompt in ([5, 6, 7], [8, 9, 10]):
+        batch.submit(engine.request(prompt, gen, SpecConfig(mode="eagle3"), None))
+    batch.run()
+    assert dict(engine.round_seconds) == before
+

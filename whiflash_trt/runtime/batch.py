@@ -75,6 +75,8 @@ class Batch:
                 self.engine.prefilled(req, out)
             for req, draft, out in zip(self.running, drafts, outs[len(joining):]):
                 self.engine.commit(req, draft, out, verify_seconds)
+            if len(everyone) == 1 and drafts:   # a request alone: the round's seconds are its choice's cost
+                self.engine.observe_round(drafts[0])
         except BaseException as e:   # an engine failure ends every request of the step; none keeps its blocks
             for req in everyone:
                 self.cancel(req, e)

@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Callable, Iterator
 
 import torch
@@ -33,7 +34,8 @@ from whiflash_trt.runtime.request import GenerationResult, Request
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.runtime.stopping import StopChecker
 from whiflash_trt.runtime.target_runner import Feed, TargetRunner
-from whiflash_trt.runtime.round_costs import DEFAULT_CACHE as ROUND_COSTS_CACHE, cached_round_seconds
+from whiflash_trt.runtime.round_costs import (DEFAULT_CACHE as ROUND_COSTS_CACHE, LiveRoundSeconds,
+                                             cached_round_seconds)
 from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, NO_DRAFT, EntropyRouter, NeuralRouter, Router,
                                       ThroughputRouter, RouteSignal, route_signal)
 from whiflash_trt.spec.sampling import next_token, target_probs
@@ -57,11 +59,22 @@ class Engine:
         self.runner = TargetRunner(self.target, self.kv.pools["target"], union)
         self.proposers: dict[str, Proposer] = {
             name: PROPOSERS[name](m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
-        # The throughput router (a v2 router file) weighs each choice by its seconds per round on this machine.
-        self.round_seconds: dict[str, float] = {}
+        # The throughput router (a v2 router file) weighs each choice by its seconds per round on this machine:
+        # calibrated at load, then kept current by the rounds (observe_round)
+        self.round_seconds = LiveRoundSeconds()
         self._warned_trees: set[str] = set()
         if self.router_file is not None and self.router_file.version == 2 and len(self.proposers) == 2:
             self.round_seconds = cached_round_seconds(self, round_costs_cache)
+
+    @property
+    def round_seconds(self) -> LiveRoundSeconds:
+        return self._round_seconds
+
+    @round_seconds.setter
+    def round_seconds(self, seconds: Mapping[str, float]) -> None:
+        """Seed the costs (choice -> seconds per round) that the rounds then keep current (a LiveRoundSeconds is
+        taken as it is: with alpha 0 the costs stay fixed)."""
+        self._round_seconds = seconds if isinstance(seconds, LiveRoundSeconds) else LiveRoundSeconds(seconds)
 
     @classmethod
     def load(cls, engine_dir: str | Path, device: str = "cpu", dtype: str | None = None,
@@ -308,9 +321,15 @@ class Engine:
         last = verdict.path[-1]
         if req.router is not None:
             req.signal = signal_of(out.logits[last], out.hidden[last], draft.drafter, verdict.num_accepted)
-        times = draft.times | {"verify": verify_seconds + t1 - t0, "commit": time.perf_counter() - t1}
-        req.stats.record(draft.drafter, verdict.num_accepted, times)
+        draft.times.update(verify=verify_seconds + t1 - t0, commit=time.perf_counter() - t1)
+        req.stats.record(draft.drafter, verdict.num_accepted, draft.times)
         req.extend(verdict.tokens[1:] + [verdict.bonus])
+
+    def observe_round(self, draft: "Draft") -> None:
+        """A committed round that a request ran alone: its choice's cost moves toward the round's seconds. A round
+        with a drafter's prefill of the prompt is not a steady one (the calibration leaves that phase out)."""
+        if not draft.times.get("drafter_prefill"):
+            self.round_seconds.observe(draft.drafter, sum(draft.times.values()))
 
 
 def greedy_choice(logits: torch.Tensor) -> list[int] | None:
@@ -336,7 +355,7 @@ class Draft:
     drafter: str                     # the proposer's name, NO_DRAFT for a target-only round
     tree: DraftTree                  # the pending bonus alone until the drafter proposes
     frontiers: dict[str, int]        # drafter frontiers the round reached (catch-up and propose)
-    times: dict[str, float]          # seconds of route, catch_up, draft
+    times: dict[str, float]          # seconds of each phase (route, catch-up, draft; verify and commit at commit)
 
 
 def _slots_per_round(proposer: Proposer) -> int:

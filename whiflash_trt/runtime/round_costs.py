@@ -26,8 +26,13 @@ it was fit with; its predictions do not depend on the costs.
 The costs of an engine directory are kept (`cached_round_seconds`) in the user's cache, one small JSON file per
 engine (its manifest), backend, thread count, CPU model, GEMM loop, default tree shapes, prompts and whiflash-trt
 version, so that only the first load of an engine on a machine pays the calibration (later loads read them back);
-delete the folder to measure again. A machine whose speed changes (a shared host, another load) keeps the ratios of
-its first load. Engine.round_seconds can be set by a caller that measured better ones.
+delete the folder to measure again. Engine.round_seconds can be set by a caller that measured better ones.
+
+The calibration only seeds the costs the router weighs: the engine keeps them current (LiveRoundSeconds), each round
+a request runs alone moving its choice's cost toward what that round took. The ratios move with the machine's
+speed: on a shared AMD EPYC (2 threads) the cached calibrations of one engine read none 6.6 to 9.5 ms and EAGLE-3
+1.39x to 1.85x of it, and a router weighing the ratio of a fast hour skipped drafting where it paid (2026-12-04:
+calibration none 7.40 / EAGLE-3 11.91 / DFlash 11.24 ms, the rounds of the run beside it 9.35 / 12.75 / 11.99 ms).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import json
 import os
 import statistics
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -127,3 +133,32 @@ def steady_seconds_per_round(stats: dict) -> float:
     the router weighs it (see the module docstring)."""
     steady = sum(t for phase, t in stats["phase_seconds"].items() if phase != "drafter_prefill")
     return steady / max(1, stats["rounds"])
+
+
+class LiveRoundSeconds(Mapping):
+    """choice -> seconds per round, as the throughput router reads them at every choice: seeded (the calibration,
+    or a caller's costs), then `observe` moves a choice's cost by ALPHA toward a round's measured seconds (an EMA:
+    with rounds ~10% apart from one another, ~20 rounds of a choice follow a change of the machine's speed). A
+    choice that is not seeded is not tracked; `alpha` 0 keeps the seeds fixed."""
+    ALPHA = 0.05
+
+    def __init__(self, seconds: Mapping[str, float] | None = None, alpha: float = ALPHA) -> None:
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        self._seconds, self.alpha = dict(seconds or {}), alpha
+
+    def __getitem__(self, choice: str) -> float:
+        return self._seconds[choice]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._seconds)
+
+    def __len__(self) -> int:
+        return len(self._seconds)
+
+    def __repr__(self) -> str:
+        return f"LiveRoundSeconds({self._seconds})"
+
+    def observe(self, choice: str, seconds: float) -> None:
+        if choice in self._seconds and seconds > 0:
+            self._seconds[choice] += self.alpha * (seconds - self._seconds[choice])

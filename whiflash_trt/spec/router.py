@@ -21,7 +21,7 @@ Throughput router (router file v2, issue 14): the objective is expected tokens p
 MLP over cheap per-round features (RouterHistory.features: the target's entropy and top-1/top-2 margin at the bonus
 position, each drafter's EMA of its own accepted drafts, the previous round's choice and accepted drafts) predicts
 E[accepted drafts of d]; the round commits that plus one token and costs c_d seconds (round_seconds, measured on the
-machine that runs the engine), so its rate is (E[a_d] + 1) / c_d, against 1 / c_none for a target-only round. The
+machine that runs the engine and kept current by its rounds: runtime.round_costs), so its rate is (E[a_d] + 1) / c_d, against 1 / c_none for a target-only round. The
 best drafter drafts when its rate exceeds `threshold` times the target-only rate (threshold 1: the pure objective;
 above 1 a drafter must win by a margin), else the round is target-only.
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -205,7 +206,7 @@ class FrozenPredictor:
         return [b + sum(map(operator.mul, row, h)) for row, b in zip(self.w2, self.b2)]
 
 
-def best_option(expected: dict[str, float], round_seconds: dict[str, float], threshold: float) -> str:
+def best_option(expected: dict[str, float], round_seconds: Mapping[str, float], threshold: float) -> str:
     """The throughput rule: `expected[d]` = E[accepted drafts of d]; the drafter with the highest expected tokens
     per second drafts if that beats `threshold` times a target-only round's rate, else NO_DRAFT."""
     rate = {d: (max(a, 0.0) + 1) / round_seconds[d] for d, a in expected.items()}
@@ -214,12 +215,14 @@ def best_option(expected: dict[str, float], round_seconds: dict[str, float], thr
 
 
 class ThroughputRouter(Router):
-    def __init__(self, predictor: AcceptancePredictor, round_seconds: dict[str, float], threshold: float,
+    """`round_seconds` is read at every choice, not copied: the engine's LiveRoundSeconds stay current."""
+
+    def __init__(self, predictor: AcceptancePredictor, round_seconds: Mapping[str, float], threshold: float,
                  priors: dict[str, float], alpha: float = 0.5, relax: float = 0.0) -> None:
         missing = [d for d in (NO_DRAFT, *DRAFTERS) if not round_seconds.get(d, 0) > 0]
         if missing:
             raise ValueError(f"throughput router needs a positive round cost for {missing}, got {round_seconds}")
-        self.predictor, self.round_seconds, self.threshold = predictor, dict(round_seconds), threshold
+        self.predictor, self.round_seconds, self.threshold = predictor, round_seconds, threshold
         self.predict = FrozenPredictor(predictor)   # the predictor's weights as they are now
         self.history = RouterHistory(priors, alpha, relax)
 
