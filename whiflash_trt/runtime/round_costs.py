@@ -29,9 +29,9 @@ version, so that only the first load of an engine on a machine pays the calibrat
 delete the folder to measure again. Engine.round_seconds can be set by a caller that measured better ones.
 
 The calibration only seeds the costs the router weighs: the engine keeps them current (LiveRoundSeconds), each round
-a request runs alone moving its choice's cost toward what that round took. The ratios move with the machine's
-speed: on a shared AMD EPYC the cached 2-thread calibrations (builds of a few days) read none 6.6 to 9.5 ms and
-EAGLE-3 1.39x to 1.85x of it, and a router weighing the ratio of a fast hour skipped drafting where it paid (2026-12-04:
+a request runs alone moving its choice's cost toward what that round took. The ratios move with the machine's speed:
+on a shared AMD EPYC the cached 2-thread calibrations (builds of a few days) read none 6.6 to 9.5 ms and EAGLE-3
+1.39x to 1.85x of it, and a router weighing the ratio of a fast hour skipped drafting where it paid (2026-12-04:
 calibration none 7.40 / EAGLE-3 11.91 / DFlash 11.24 ms, the rounds of the run beside it 9.35 / 12.75 / 11.99 ms).
 """
 from __future__ import annotations
