@@ -1,5 +1,6 @@
 """The throughput router file at load: round costs measured at an engine's first load on a machine and read back at
-later loads, then kept current by the rounds; a warning when a request drafts other trees than the router was fit for."""
+later loads, then kept current by the rounds; a warning when a request drafts other trees than the router was fit
+for."""
 from __future__ import annotations
 
 import dataclasses
