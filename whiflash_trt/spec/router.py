@@ -21,9 +21,10 @@ Throughput router (router file v2, issue 14): the objective is expected tokens p
 MLP over cheap per-round features (RouterHistory.features: the target's entropy and top-1/top-2 margin at the bonus
 position, each drafter's EMA of its own accepted drafts, the previous round's choice and accepted drafts) predicts
 E[accepted drafts of d]; the round commits that plus one token and costs c_d seconds (round_seconds, measured on the
-machine that runs the engine and kept current by its rounds: runtime.round_costs), so its rate is
-(E[a_d] + 1) / c_d, against 1 / c_none for a target-only round. The best drafter drafts when its rate exceeds `threshold` times the target-only rate (threshold 1: the pure objective;
-above 1 a drafter must win by a margin), else the round is target-only.
+machine that runs the engine and kept current by its rounds: runtime.round_costs), so its rate is (E[a_d] + 1) / c_d,
+against 1 / c_none for a target-only round. The best drafter drafts when its rate exceeds `threshold` times the
+target-only rate (threshold 1: the pure objective; above 1 a drafter must win by a margin), else the round is
+target-only.
 """
 from __future__ import annotations
 
