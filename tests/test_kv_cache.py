@@ -66,7 +66,6 @@ def test_commit_beyond_capacity_is_refused():
     assert seq.tokens == [1, 2, 3] and seq.pending == 9
 
 
-
 def test_the_feature_backlog_keeps_the_rows_no_drafter_has_caught_up_on():
     """Rows of positions [min frontier, N), whatever the rounds' sizes and however far a drafter falls behind."""
     rng = random.Random(0)

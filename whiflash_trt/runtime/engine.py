@@ -12,10 +12,10 @@ import json
 import math
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Callable, Iterator
 
 import torch

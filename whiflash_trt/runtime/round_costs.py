@@ -137,9 +137,9 @@ def steady_seconds_per_round(stats: dict) -> float:
 
 class LiveRoundSeconds(Mapping):
     """choice -> seconds per round, as the throughput router reads them at every choice: seeded (the calibration,
-    or a caller's costs), then `observe` moves a choice's cost by ALPHA toward a round's measured seconds (an EMA:
-    with rounds ~10% apart from one another, ~20 rounds of a choice follow a change of the machine's speed). A
-    choice that is not seeded is not tracked; `alpha` 0 keeps the seeds fixed."""
+    or a caller's costs), then `observe` moves a choice's cost by `alpha` toward a round's measured seconds (an
+    EMA: at 0.05 a change of the machine's speed shows after some 20 rounds of a choice, one round's noise hardly).
+    A choice that is not seeded is not tracked; `alpha` 0 keeps the seeds fixed."""
     ALPHA = 0.05
 
     def __init__(self, seconds: Mapping[str, float] | None = None, alpha: float = ALPHA) -> None:
