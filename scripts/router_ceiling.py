@@ -38,11 +38,10 @@ import sys
 import time
 
 import torch
-from router_signals import e3_root_top1, measure, parser as signals_parser
+from router_signals import e3_root_top1, measure, parser as signals_parser, setup
 
 from whiflash_trt.bench import environment
 from whiflash_trt.bench.oracle import NO_DRAFT, replay, solve
-from whiflash_trt.bench.prompts import load_prompts
 from whiflash_trt.config import DFLASH, EAGLE3, WHIFLASH, SpecConfig
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.replay import capture_output, replay_drafts
@@ -151,18 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--folds", type=int, default=3, help="folds by prompt (round robin within each category)")
     p.add_argument("--gate-states", type=int, default=24, help="states per category timed for the gate costs")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.bench_results is not None:
-        costs = json.loads(args.bench_results.read_text())["oracle"]["round_seconds"]
-    elif args.costs:
-        costs = {k: float(v) for k, v in (kv.split("=") for kv in args.costs.split(","))}
-    else:
-        raise SystemExit("give --bench-results or --costs")
-    args.engine = args.engine or environment.default_engine_dir()
-    engine = Engine.load(args.engine, dtype=args.dtype)
+    costs, engine, prompts, ids = setup(args)
     cats = [c.strip() for c in args.categories.split(",")]
-    prompts = [p for c in cats for p in load_prompts([c], args.skip + args.num_prompts)[args.skip:]]
-    ids = {p.id: engine.encode(p.prompt, chat=True) for p in prompts}
     measured = [m for m in measure(engine, prompts, ids, args) if len(m["a_eagle3"]) > 0]
     index: dict[str, int] = {}
     folds = [set() for _ in range(args.folds)]
