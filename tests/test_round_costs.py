@@ -136,14 +136,16 @@ def test_a_node_count_left_to_the_machine_matches_the_same_count_named(tmp_path,
 
 def test_live_round_seconds_move_toward_each_observed_round():
     costs = LiveRoundSeconds({"none": 1.0, "eagle3": 2.0})
-    costs.observe("none", 3.0)
-    assert costs["none"] == pytest.approx(1.0 + LiveRoundSeconds.ALPHA * 2.0) and costs["eagle3"] == 2.0
+    costs.observe("none", 1.5)
+    assert costs["none"] == pytest.approx(1.0 + LiveRoundSeconds.ALPHA * 0.5) and costs["eagle3"] == 2.0
     costs.observe("dflash", 1.0)     # not seeded: not tracked
     costs.observe("eagle3", 0.0)     # no time measured: no change
-    assert dict(costs) == {"none": pytest.approx(1.1), "eagle3": 2.0}
+    assert dict(costs) == {"none": pytest.approx(1.025), "eagle3": 2.0}
     for _ in range(200):
         costs.observe("eagle3", 0.5)
     assert costs["eagle3"] == pytest.approx(0.5, rel=1e-3)
+    costs.observe("eagle3", 50.0)    # a stall counts as twice the cost, no more
+    assert costs["eagle3"] == pytest.approx(0.5 * (1 + LiveRoundSeconds.ALPHA), rel=1e-3)
     fixed = LiveRoundSeconds({"none": 1.0}, alpha=0.0)
     fixed.observe("none", 3.0)
     assert fixed["none"] == 1.0
@@ -175,7 +177,7 @@ def test_the_engine_keeps_the_costs_current_from_the_rounds_a_request_runs_alone
     engine.round_seconds = {"none": 100.0, "eagle3": 100.0, "dflash": 100.0}   # far from any round here
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     engine.generate([5, 6, 7], gen, spec=SpecConfig(mode="ar"))
-    assert engine.round_seconds["none"] < 100.0 * (1 - LiveRoundSeconds.ALPHA) ** 5
+    assert engine.round_seconds["none"] < 100.0 * (1 - LiveRoundSeconds.ALPHA / 2) ** 5
     assert (engine.round_seconds["eagle3"], engine.round_seconds["dflash"]) == (100.0, 100.0)
     engine.generate([5, 6, 7], gen, spec=SpecConfig(mode="dflash"))
     assert engine.round_seconds["dflash"] < 100.0 and engine.round_seconds["eagle3"] == 100.0

@@ -139,7 +139,9 @@ class LiveRoundSeconds(Mapping):
     """choice -> seconds per round, as the throughput router reads them at every choice: seeded (the calibration,
     or a caller's costs), then `observe` moves a choice's cost by `alpha` toward a round's measured seconds (an
     EMA: at 0.05 a change of the machine's speed shows after some 20 rounds of a choice, one round's noise hardly).
-    A choice that is not seeded is not tracked; `alpha` 0 keeps the seeds fixed."""
+    A round is taken as at most twice and at least half the current cost: a shared machine's stall (a round of
+    100 ms among rounds of 10) moves the cost by 5%, not 45%. A choice that is not seeded is not tracked; `alpha` 0
+    keeps the seeds fixed."""
     ALPHA = 0.05
 
     def __init__(self, seconds: Mapping[str, float] | None = None, alpha: float = ALPHA) -> None:
@@ -161,4 +163,5 @@ class LiveRoundSeconds(Mapping):
 
     def observe(self, choice: str, seconds: float) -> None:
         if choice in self._seconds and seconds > 0:
-            self._seconds[choice] += self.alpha * (seconds - self._seconds[choice])
+            cost = self._seconds[choice]
+            self._seconds[choice] += self.alpha * (min(max(seconds, cost / 2), 2 * cost) - cost)
