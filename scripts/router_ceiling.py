@@ -45,7 +45,7 @@ from whiflash_trt.bench.oracle import NO_DRAFT, replay, solve
 from whiflash_trt.config import DFLASH, EAGLE3, WHIFLASH, SpecConfig
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.replay import capture_output, replay_drafts
-from whiflash_trt.spec.router import RouterHistory, RouteSignal, ThroughputRouter, best_option
+from whiflash_trt.spec.router import FrozenPredictor, RouterHistory, best_option
 
 GATES = {"history": (), "+ dflash": (DFLASH,), "+ eagle3": (EAGLE3,), "+ both": (DFLASH, EAGLE3)}
 THRESHOLDS = [0.8 + 0.1 * i for i in range(9)]
@@ -169,17 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     seconds["oracle (three-way)"] = {k: solve({d: m[f"a_{d}"] for d in (EAGLE3, DFLASH)}, costs).seconds
                                      for k, m in enumerate(measured)}
     f = engine.router_file
-    if f is not None and f.version == 2:
-        def shipped(m):
-            router = ThroughputRouter(f.predictor, costs, f.threshold, f.priors, f.alpha, f.relax)
-            accepted, last = {d: m[f"a_{d}"] for d in (EAGLE3, DFLASH)}, [None, 0]
-
-            def at(i):
-                d = router.choose(RouteSignal(m["entropy"][i], torch.empty(0), m["margin"][i], *last))
-                last[:] = [d, 0 if d == NO_DRAFT else accepted[d][i]]
-                return d
-            return replay(accepted, costs, at).seconds
-        seconds["shipped router file (in sample)"] = {k: shipped(m) for k, m in enumerate(measured)}
+    if f is not None and f.version == 2:   # the same walk and rule, on the file's own predictor and history
+        shipped = policy(FrozenPredictor(f.predictor), costs, f.threshold)
+        seconds["shipped router file (in sample)"] = {
+            k: walk(m, shipped, costs, free, (), RouterHistory(f.priors, f.alpha, f.relax))[0]
+            for k, m in enumerate(measured)}
     for name, gates in GATES.items():
         for label, gs in (("free", free), ("timed", timed)) if gates else (("", free),):
             seconds[f"{name} {label}".strip()] = cross_validated(measured, folds, gates, costs, gs, priors, args.seed)
