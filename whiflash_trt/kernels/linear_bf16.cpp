@@ -33,8 +33,14 @@
 // A call of one row (decode, an EAGLE-3 draft step) walks two adjacent blocks side by side: two streams in flight per
 // thread keep more of the memory bandwidth busy than one. Only the order in which the two blocks' instructions issue
 // changes, no lane's sum. Measured on the AMD EPYC above (2 threads, SmolLM2's decode step on the engine, the two
-// walks alternated in one process, medians of 12, three runs): the step took 0.87-0.94x as long. Two blocks at 2-3
-// rows, or three or four blocks at one row, were no faster (2-3 rows slower: 24 accumulators leave few registers).
+// walks alternated in one process, medians of 12, three runs): the step took 0.87-0.94x as long. Three or four
+// blocks at one row were no faster. The DOT loop walks two blocks up to 3 rows (a small verify; 24 accumulators):
+// SmolLM2's linears at 2 and 3 rows took 7.65 and 8.07 against 9.17 and 9.18 ms, and 7.27 and 7.72 against 8.79 and
+// 8.65 ms in a second run (same EPYC, the walks alternated in one process, medians of 15), where one block's walk
+// at 2-6 rows costs what 6 rows do; the engine's step at 2 and 3 rows (300 keys) 8.04 and 9.36 against 9.25 and
+// 9.75 ms (7.3 at 1 row), two requests decoding in one batch 1.039x the tokens/s. Not the FMA loop (9.22 and 9.63
+// against 9.18 and 9.16 ms: its 2 widened weights per pair leave too few registers), nor 4-6 rows as two passes
+// over half of each block's outputs (the second from cache; 11.5-11.8 against 8.4-8.5 ms).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -59,7 +65,7 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // outputs per packed block: four zmm of fp32 accumulators
 constexpr int kTileRows = 6;    // rows of x per pass over a block: 24 accumulators + 2 weights + a mask in 32 zmm
-constexpr int kPairRows = 1;    // rows of x up to which two blocks are walked side by side
+
 constexpr int64_t kScaleRows = 4;   // an int8 block's 64 fp32 scales = 4 rows of 64 int8 (i8_rows)
 
 // A packed weight as the loops read it: bf16 pairs (kernels.pack_weight: [N/64, K/2, 64] int32) or int8 rows and
@@ -165,14 +171,16 @@ void dot_rows(const void* xv, int64_t ldx, const int32_t* w, int64_t pairs, cons
 }
 
 using BlockFn = void (*)(const void*, int64_t, const int32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
+constexpr int kMaxPairRows = 3;
 struct Loops {
-  BlockFn rows[kTileRows];  // one block, 1-6 rows
-  BlockFn pair;             // two blocks side by side, one row (kPairRows)
+  BlockFn rows[kTileRows];      // one block, 1-6 rows
+  BlockFn pair[kMaxPairRows];   // two blocks side by side, 1 .. pair_rows rows
+  int64_t pair_rows;            // calls of up to this many rows walk two blocks at a time
 };
 constexpr Loops kFmaLoops = {{fma_rows<1, 1>, fma_rows<2, 1>, fma_rows<3, 1>, fma_rows<4, 1>, fma_rows<5, 1>,
-                              fma_rows<6, 1>}, fma_rows<1, 2>};
+                              fma_rows<6, 1>}, {fma_rows<1, 2>}, 1};
 constexpr Loops kDotLoops = {{dot_rows<1, 1>, dot_rows<2, 1>, dot_rows<3, 1>, dot_rows<4, 1>, dot_rows<5, 1>,
-                              dot_rows<6, 1>}, dot_rows<1, 2>};
+                              dot_rows<6, 1>}, {dot_rows<1, 2>, dot_rows<2, 2>, dot_rows<3, 2>}, 3};
 
 // AMX loop: a block's 64 outputs as four 16 x 16 fp32 tiles (C: tiles 0-3), for up to 16 rows of x at once. Each
 // step of 16 pairs loads the rows' 32 bf16 of x (A: tile 4 or 5) and the block's 16 pairs x 16 outputs four times
@@ -493,9 +501,10 @@ void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, co
   const char* xp = dot ? reinterpret_cast<const char*>(x) : reinterpret_cast<const char*>(xf.data());
   const int64_t x_row_bytes = ldx * (dot ? 2 : 4), pairs = w.k / 2;
   const Loops& loops = dot ? kDotLoops : kFmaLoops;
-  whiflash::for_each_tile(columns, kBlock, rows, kTileRows, kPairRows, [&](int64_t blk, int64_t count, int64_t col,
-                                                                           int64_t cols, int64_t r, int64_t n) {
-    const BlockFn fn = count == 2 ? loops.pair : loops.rows[n - 1];
+  whiflash::for_each_tile(columns, kBlock, rows, kTileRows, loops.pair_rows, [&](int64_t blk, int64_t count,
+                                                                                 int64_t col, int64_t cols, int64_t r,
+                                                                                 int64_t n) {
+    const BlockFn fn = count == 2 ? loops.pair[n - 1] : loops.rows[n - 1];
     fn(xp + r * x_row_bytes, ldx, w.pairs + blk * pairs * kBlock, pairs, bias ? bias + col : nullptr,
        y + r * columns + col, columns, cols);
   });

@@ -10,6 +10,10 @@ where a verified node stops being nearly free.
   --eagle3 ... --dflash ... --num-prompts 5 --skip S --threads 2`, 20 held-out prompts, 96 new tokens, every output
   `ar`'s), speed-up over `ar` in three runs: EAGLE-3 3,3,8@0.05 1.288 / 1.304 / 1.200 against 3,3,6@0.05 1.342 and
   3,3,6 1.420 / 1.270 (3,2,6 1.365 / 1.389 / 1.279); DFlash 6 nodes 1.333 / 1.373 against 5 nodes 1.272 / 1.321.
+  The dot loop walks two blocks at a time up to 3 rows (kernels/linear_bf16.cpp), so 2-3 nodes cost little more
+  than a decode step there; still, on the same EPYC (2026-12-04, same script, prompts 10-14 and 15-19) EAGLE-3's
+  3,3,6@0.05 made 1.325 / 1.477 against 3,3,4@0.05 1.258 and 3,3,3@0.05 1.205 / 1.361, and DFlash's 6 nodes 1.309 /
+  1.528 against 4 nodes 1.219 and 3 nodes 1.207 / 1.385: the shorter trees lose more tau than round time.
   The torch path and other devices take this default too.
 """
 from __future__ import annotations
