@@ -114,18 +114,35 @@ def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_to
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
     keep = engine.target.config.max_position_embeddings // 2   # a model of a short context: the prompts' ends
     prompts = [engine.encode(prompt, chat=chat)[-keep:] for prompt in CALIBRATION_PROMPTS]
-    modes = {choice: mode for choice, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH))
-             if choice == NO_DRAFT or choice in engine.proposers}
-    for mode in modes.values():
+    for mode in choice_modes(engine).values():
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=warmup_tokens, ignore_eos=True),
                         spec=SpecConfig(mode=mode))
+    gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    runs = [seconds_per_round_by_prompt(engine, prompts, gen) for _ in range(reps)]
+    # a repetition's cost: the mean over the prompts
+    return {choice: statistics.median(statistics.fmean(run[choice]) for run in runs) for choice in runs[0]}
+
+
+def choice_modes(engine) -> dict[str, str]:
+    """The routing choices the engine can time, each with the static mode whose rounds it takes: NO_DRAFT (`ar`)
+    and each drafter it holds."""
+    return {choice: mode for choice, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH))
+            if choice == NO_DRAFT or choice in engine.proposers}
+
+
+def seconds_per_round_by_prompt(engine, prompts: list[list[int]], gen: GenerationConfig,
+                                spec: SpecConfig | None = None) -> dict[str, list[float]]:
+    """Each choice's steady seconds per round (steady_seconds_per_round) on each prompt, the choices taking turns
+    per prompt so that a change of load on a shared machine hits all alike; `spec` gives the trees (its mode is
+    each choice's)."""
+    spec = spec or SpecConfig()
+    modes = choice_modes(engine)
     samples: dict[str, list[float]] = {choice: [] for choice in modes}
-    for _ in range(reps):
-        for choice, mode in modes.items():   # a repetition's cost: the mean over the prompts
-            samples[choice].append(statistics.fmean(steady_seconds_per_round(engine.generate(
-                ids, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True), spec=SpecConfig(mode=mode)).stats)
-                for ids in prompts))
-    return {choice: statistics.median(xs) for choice, xs in samples.items()}
+    for ids in prompts:
+        for choice, mode in modes.items():
+            stats = engine.generate(ids, gen, spec=dataclasses.replace(spec, mode=mode)).stats
+            samples[choice].append(steady_seconds_per_round(stats))
+    return samples
 
 
 def steady_seconds_per_round(stats: dict) -> float:

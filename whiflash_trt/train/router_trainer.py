@@ -25,17 +25,17 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from whiflash_trt.bench.oracle import optimal
-from whiflash_trt.config import AR, DFLASH, EAGLE3, SpecConfig
+from whiflash_trt.config import AR, DFLASH, EAGLE3, GenerationConfig, SpecConfig
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.replay import num_accepted, replay_drafts
-from whiflash_trt.runtime.round_costs import steady_seconds_per_round
+from whiflash_trt.runtime.round_costs import seconds_per_round_by_prompt
 from whiflash_trt.spec.router import (DRAFTERS, FEATURES, NO_DRAFT, AcceptancePredictor, EntropyRouter, RouterHistory,
                                       RouteSignal, ThroughputRouter, route_signal)
 from whiflash_trt.spec.router_file import save_throughput_router
@@ -276,17 +276,10 @@ def calibrate(models: dict[tuple[float, float], AcceptancePredictor], records: l
 
 @torch.inference_mode()
 def round_costs(engine: Engine, prompt_ids: list[list[int]], spec: SpecConfig, max_new_tokens: int = 48) -> dict:
-    """Seconds per round of `ar` (as "none") and each single-drafter mode on this machine: per prompt the three modes
-    take turns (a change of load hits all alike); per mode the median over prompts of its mean round time, the
-    drafter's prompt prefill left out (runtime.round_costs.steady_seconds_per_round)."""
-    from whiflash_trt.config import GenerationConfig
-
-    gen = GenerationConfig(max_new_tokens=max_new_tokens)
-    samples: dict[str, list[float]] = {NO_DRAFT: [], EAGLE3: [], DFLASH: []}
-    for ids in prompt_ids:
-        for name, mode in ((NO_DRAFT, AR), (EAGLE3, EAGLE3), (DFLASH, DFLASH)):
-            st = engine.generate(ids, gen, spec=replace(spec, mode=mode)).stats
-            samples[name].append(steady_seconds_per_round(st))
+    """Seconds per round of `ar` (as "none") and each single-drafter mode on this machine, with `spec`'s trees: per
+    mode the median over the prompts of its mean round time, the modes taking turns per prompt and the drafter's
+    prompt prefill left out (runtime.round_costs.seconds_per_round_by_prompt)."""
+    samples = seconds_per_round_by_prompt(engine, prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens), spec)
     return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
