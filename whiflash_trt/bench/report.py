@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from whiflash_trt.config import DFLASH, EAGLE3
 from whiflash_trt.runtime.stats import PHASES
 
 RESULTS_JSON = "results.json"
@@ -63,12 +64,12 @@ def render(results: dict) -> str:
 def _trees(trees: dict[str, dict]) -> str:
     """A run's draft trees as verified (node counts resolved for its machine)."""
     parts = []
-    if "eagle3" in trees:
-        t = trees["eagle3"]
+    if EAGLE3 in trees:
+        t = trees[EAGLE3]
         parts.append(f"EAGLE-3 top-k {t['top_k']}, depth {t['depth']}, {t['total_tokens']} nodes, "
                      f"floor {t['min_prob']}")
-    if "dflash" in trees:
-        t = trees["dflash"]
+    if DFLASH in trees:
+        t = trees[DFLASH]
         parts.append(f"DFlash DDTree of {t['total_tokens']} nodes" + (f", top-k {t['top_k']}" if t["top_k"] else "")
                      + (f", floor {t['min_prob']}" if t["min_prob"] else ""))
     return "; ".join(parts)
