@@ -65,7 +65,6 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // outputs per packed block: four zmm of fp32 accumulators
 constexpr int kTileRows = 6;    // rows of x per pass over a block: 24 accumulators + 2 weights + a mask in 32 zmm
-
 constexpr int64_t kScaleRows = 4;   // an int8 block's 64 fp32 scales = 4 rows of 64 int8 (i8_rows)
 
 // A packed weight as the loops read it: bf16 pairs (kernels.pack_weight: [N/64, K/2, 64] int32) or int8 rows and
