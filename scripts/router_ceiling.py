@@ -61,24 +61,29 @@ def confidence_features(m: dict, i: int, gates: tuple[str, ...]) -> list[float]:
     return out
 
 
+def accepted(m: dict) -> dict[str, list[int]]:
+    """drafter -> its accepted drafts at each state of a measured output."""
+    return {d: m[f"a_{d}"] for d in (EAGLE3, DFLASH)}
+
+
 def walk(m: dict, choose, costs: dict[str, float], gate_seconds: dict[str, float], gates: tuple[str, ...],
          history: RouterHistory) -> tuple[float, list[tuple[list[float], int, int]]]:
     """One output routed by `choose(features) -> choice`: its seconds (rounds plus the gates' forwards where their
     drafter did not draft) and the visited rows (features, a_eagle3, a_dflash)."""
-    accepted = {d: m[f"a_{d}"] for d in (EAGLE3, DFLASH)}
+    drafts = accepted(m)
     rows, extra, last = [], 0.0, (None, 0)
 
     def at(i: int) -> str:
         nonlocal extra, last
         history.update(*last)
         x = history.features(m["entropy"][i], m["margin"][i]) + confidence_features(m, i, gates)
-        rows.append((x, accepted[EAGLE3][i], accepted[DFLASH][i]))
+        rows.append((x, drafts[EAGLE3][i], drafts[DFLASH][i]))
         d = choose(x)
         extra += sum(gate_seconds[g] for g in gates if g != d)
-        last = (d, 0 if d == NO_DRAFT else accepted[d][i])
+        last = (d, 0 if d == NO_DRAFT else drafts[d][i])
         return d
 
-    return replay(accepted, costs, at).seconds + extra, rows
+    return replay(drafts, costs, at).seconds + extra, rows
 
 
 def fit(rows: list[tuple[list[float], int, int]]):
@@ -150,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--folds", type=int, default=3, help="folds by prompt (round robin within each category)")
     p.add_argument("--gate-states", type=int, default=24, help="states per category timed for the gate costs")
     args = p.parse_args(argv)
-    costs, engine, prompts, ids = setup(args)
-    cats = [c.strip() for c in args.categories.split(",")]
+    costs, engine, cats, prompts, ids = setup(args)
     measured = [m for m in measure(engine, prompts, ids, args) if len(m["a_eagle3"]) > 0]
     index: dict[str, int] = {}
     folds = [set() for _ in range(args.folds)]
@@ -164,10 +168,9 @@ def main(argv: list[str] | None = None) -> int:
 
     seconds: dict[str, dict[int, float]] = {}
     for choice in (NO_DRAFT, EAGLE3, DFLASH):
-        seconds[f"static {choice}"] = {k: replay({d: m[f"a_{d}"] for d in (EAGLE3, DFLASH)}, costs,
-                                                 lambda i, c=choice: c).seconds for k, m in enumerate(measured)}
-    seconds["oracle (three-way)"] = {k: solve({d: m[f"a_{d}"] for d in (EAGLE3, DFLASH)}, costs).seconds
-                                     for k, m in enumerate(measured)}
+        seconds[f"static {choice}"] = {k: replay(accepted(m), costs, lambda i, c=choice: c).seconds
+                                       for k, m in enumerate(measured)}
+    seconds["oracle (three-way)"] = {k: solve(accepted(m), costs).seconds for k, m in enumerate(measured)}
     f = engine.router_file
     if f is not None and f.version == 2:   # the same walk and rule, on the file's own predictor and history
         shipped = policy(FrozenPredictor(f.predictor), costs, f.threshold)

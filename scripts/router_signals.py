@@ -335,9 +335,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def setup(args) -> tuple[dict[str, float], Engine, list, dict]:
-    """(round costs, engine, the held-out prompts, their chat-template ids) of parsed `args` (router_ceiling.py's
-    too); sets the torch threads."""
+def setup(args) -> tuple[dict[str, float], Engine, list[str], list, dict]:
+    """(round costs, engine, the categories, their held-out prompts, the prompts' chat-template ids) of parsed `args`
+    (router_ceiling.py's too); sets the torch threads."""
     torch.set_num_threads(args.threads)
     if args.bench_results is not None:
         costs = json.loads(args.bench_results.read_text())["oracle"]["round_seconds"]
@@ -349,13 +349,12 @@ def setup(args) -> tuple[dict[str, float], Engine, list, dict]:
     engine = Engine.load(args.engine, dtype=args.dtype)
     cats = [c.strip() for c in args.categories.split(",")]
     prompts = [p for c in cats for p in load_prompts([c], args.skip + args.num_prompts)[args.skip:]]
-    return costs, engine, prompts, {p.id: engine.encode(p.prompt, chat=True) for p in prompts}
+    return costs, engine, cats, prompts, {p.id: engine.encode(p.prompt, chat=True) for p in prompts}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    costs, engine, prompts, ids = setup(args)
-    cats = [c.strip() for c in args.categories.split(",")]
+    costs, engine, cats, prompts, ids = setup(args)
     start = time.perf_counter()
     measured = measure(engine, prompts, ids, args)
     index = {c: 0 for c in cats}
