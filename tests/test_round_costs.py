@@ -188,4 +188,3 @@ def test_the_engine_keeps_the_costs_current_from_the_rounds_a_request_runs_alone
         batch.submit(engine.request(prompt, gen, SpecConfig(mode="eagle3"), None))
     batch.run()
     assert dict(engine.round_seconds) == before
-
