@@ -29,26 +29,33 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def _required(reader, key: str, path: Path):
+    value = _field(reader, key)
+    if value is None:
+        raise CheckpointError(f"GGUF file {path} lacks the required key {key}")
+    return value
+
+
 def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_config(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _required(reader, "general.architecture", path)
     if arch != "llama":
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
+    heads = int(_required(reader, "llama.attention.head_count", path))
+    hidden = int(_required(reader, "llama.embedding_length", path))
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    vocab = _field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = _field(reader, "llama.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens", path))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
+        intermediate_size=int(_required(reader, "llama.feed_forward_length", path)),
+        num_layers=int(_required(reader, "llama.block_count", path)),
         num_heads=heads,
         num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
         head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
@@ -71,9 +78,13 @@ def load_gguf_checkpoint(path: str | Path, progress=None) -> Checkpoint:
         raise CheckpointError(f"GGUF file {path} does not exist")
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from None
-    cfg = gguf_config(reader)
+    except (ValueError, IndexError, KeyError, OSError) as e:   # what gguf raises where the data ends early
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read GGUF file {path}: truncated or not a GGUF file ({reason})") from None
+    try:
+        cfg = gguf_config(reader, path)
+    except ValueError as e:   # a value ModelConfig rejects
+        raise CheckpointError(f"GGUF file {path}: {e}") from None
     state: dict[str, torch.Tensor] = {}
     tensors = reader.tensors if progress is None else progress(reader.tensors)
     for t in tensors:
