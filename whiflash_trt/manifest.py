@@ -10,13 +10,16 @@
     ENGINE/compiled/*.pt2     --backend compiled: the target step as an AOTInductor package, listed under "compiled"
     ENGINE/kernels/*.so       bf16 engines on AVX-512 BF16 CPUs: the engine's compiled CPU kernels, listed under
                               "kernels" (whiflash_trt/kernels)
+
+"written_files" lists every file the builder wrote (paths relative to the engine, manifest.json aside): a rebuild
+with --overwrite deletes those and nothing else. Every path in the manifest stays inside the engine directory.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from whiflash_trt.config import ModelConfig
@@ -34,6 +37,8 @@ ROUTER_WEIGHTS = "router.safetensors"
 # Every name the builder writes at the top of an engine directory (nothing else may be replaced by a rebuild).
 ENGINE_ENTRIES = frozenset({MANIFEST, TARGET_WEIGHTS, TOKENIZER_DIR, "eagle3", "dflash", ROUTER_WEIGHTS, ONNX_DIR,
                             TENSORRT_DIR, KERNELS_DIR, COMPILED_DIR})
+# The sections whose "path" entries (at any depth) name files of the engine, relative to its directory.
+PATH_SECTIONS = ("components", "onnx", "tensorrt", "kernels", "compiled")
 
 
 @dataclass(frozen=True)
@@ -50,12 +55,14 @@ class Manifest:
     tensorrt: dict[str, Any] = field(default_factory=dict)
     kernels: dict[str, Any] = field(default_factory=dict)     # "path", "version" of the kernel library
     compiled: dict[str, Any] = field(default_factory=dict)    # "target": its package ("path", "capture_layers")
+    written_files: tuple[str, ...] | None = None   # None: an engine built before the builder recorded its files
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
         sections = (("onnx", self.onnx), ("tensorrt", self.tensorrt), ("kernels", self.kernels),
                     ("compiled", self.compiled))
         backends = {k: v for k, v in sections if v}
+        written = {} if self.written_files is None else {"written_files": list(self.written_files)}
         return json.dumps({
             "format_version": self.format_version,
             "architecture": self.model.architecture,
@@ -68,7 +75,7 @@ class Manifest:
             "build_options": self.build_options,
             "components": self.components,
             "files": {"target_weights": TARGET_WEIGHTS, "tokenizer": TOKENIZER_DIR},
-        } | backends, indent=2)
+        } | backends | written, indent=2)
 
     def write(self, engine_dir: Path) -> None:
         (engine_dir / MANIFEST).write_text(self.to_json() + "\n")
@@ -86,15 +93,51 @@ class Manifest:
             if version != FORMAT_VERSION:
                 raise CheckpointError(f"{path}: engine format version {version} is not supported by this "
                                       f"whiflash-trt (expects {FORMAT_VERSION}); rebuild the engine")
+            check_paths(engine_dir, d)
+            written = d.get("written_files")
             return cls(model=ModelConfig.from_dict(d["model_config"]), dtype=d["dtype"],
                        capture_layers=tuple(d["capture_layers"]), block_size=d["kv_layout"]["block_size"],
                        kv_pools=tuple(d["kv_layout"]["pools"]), source=d["source"],
                        build_options=d["build_options"], components=d.get("components", {}),
                        onnx=d.get("onnx", {}), tensorrt=d.get("tensorrt", {}), kernels=d.get("kernels", {}),
                        compiled=d.get("compiled", {}),
+                       written_files=None if written is None else tuple(written),
                        format_version=version)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path} is corrupt or incomplete: {type(e).__name__}: {e}") from None
+
+
+def check_paths(engine_dir: Path, d: dict) -> None:
+    """Every path the manifest `d` names (its sections' "path" entries and written_files) lies inside `engine_dir`."""
+    for section in PATH_SECTIONS:
+        for where, rel in _section_paths(section, d.get(section, {})):
+            check_inside(engine_dir, rel, where)
+    written = d.get("written_files", [])
+    if not isinstance(written, list):
+        raise CheckpointError(f"{engine_dir / MANIFEST}: written_files is not a list")
+    for rel in written:
+        check_inside(engine_dir, rel, "written_files")
+
+
+def _section_paths(where: str, value) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [found for k, v in value.items()
+                for found in ([(where, v)] if k == "path" else _section_paths(f"{where}.{k}", v))]
+    if isinstance(value, list):
+        return [found for i, v in enumerate(value) for found in _section_paths(f"{where}[{i}]", v)]
+    return []
+
+
+def check_inside(engine_dir: Path, rel, where: str) -> None:
+    """A CheckpointError unless `rel` is a relative path that stays inside `engine_dir`, symlinks followed."""
+    bad = (not isinstance(rel, str) or not rel or Path(rel).is_absolute() or PurePosixPath(rel).is_absolute()
+           or ".." in PurePosixPath(rel).parts or "\\" in rel)
+    if not bad:
+        root = Path(engine_dir).resolve()
+        bad = not (root / rel).resolve().is_relative_to(root)
+    if bad:
+        raise CheckpointError(f"{Path(engine_dir) / MANIFEST}: {where} names {rel!r}, which leads outside the engine "
+                              f"directory; refusing to read it (rebuild the engine)")
 
 
 def file_sha256(paths: list[Path]) -> str:
