@@ -2,6 +2,7 @@
 engine whose files have the modes any new file gets, and builds a named target with the drafters shipped for it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -151,3 +152,71 @@ def test_triton_options_are_checked_before_the_engine_is_built(capsys, tmp_path,
                                   tmp_path / "r", "--triton-instances", 0])
     assert "instance count must be >= 1, got 0" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+
+
+def drop_during_build(monkeypatch, path: Path, text: str = "mine") -> None:
+    """Write the user file `path` while the engine is being built (after --output was checked, before the install)."""
+    from whiflash_trt.builder import build
+
+    real = build.add_components
+
+    def dropping(*args):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return real(*args)
+
+    monkeypatch.setattr(build, "add_components", dropping)
+
+
+def test_a_user_file_written_into_output_during_the_build_is_kept(capsys, monkeypatch, tmp_path, tiny_checkpoint):
+    out = tmp_path / "engine"
+    drop_during_build(monkeypatch, out / "notes.txt")
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", out, "--dtype", "fp32"])
+    assert "not empty and is not a whiflash engine (notes.txt)" in err
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"], "no staging or old folder may be left behind"
+
+
+def test_a_user_file_written_into_the_old_engine_during_an_overwrite_build_is_kept(capsys, monkeypatch, tmp_path,
+                                                                                    tiny_checkpoint):
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(target=str(tiny_checkpoint()), output=out, dtype="fp32", show_progress=False))
+    before = (out / "manifest.json").read_text()
+    drop_during_build(monkeypatch, out / "tokenizer" / "late.txt")
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", out, "--dtype", "fp32", "--overwrite"])
+    assert "files the builder did not write (tokenizer/late.txt)" in err
+    assert (out / "tokenizer" / "late.txt").read_text() == "mine" and (out / "manifest.json").read_text() == before
+    Engine.load(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"], "no staging or old folder may be left behind"
+
+
+def test_user_files_inside_an_engine_subfolder_block_overwrite(capsys, tmp_path, tiny_checkpoint):
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(target=str(tiny_checkpoint()), output=out, dtype="fp32", show_progress=False))
+    (out / "tokenizer" / "my-vocab.txt").write_text("mine")
+    (tmp_path / "data").mkdir()
+    (out / "tokenizer" / "link").symlink_to(tmp_path / "data")
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", out, "--dtype", "fp32", "--overwrite"])
+    assert "files the builder did not write (tokenizer/link, tokenizer/my-vocab.txt)" in err
+    assert (out / "tokenizer" / "my-vocab.txt").read_text() == "mine" and (out / "tokenizer" / "link").is_symlink()
+
+
+def test_the_manifest_lists_every_file_the_builder_wrote(tmp_path, tiny_checkpoint):
+    out = build_engine(BuildOptions(target=str(tiny_checkpoint()), output=tmp_path / "engine", dtype="fp32",
+                                    show_progress=False))
+    on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    listed = json.loads((out / "manifest.json").read_text())["written_files"]
+    assert listed == [p for p in on_disk if p != "manifest.json"]
+    assert "target.safetensors" in listed and "tokenizer/tokenizer.json" in listed
+
+
+def test_an_engine_without_a_file_list_is_never_replaced(capsys, tmp_path, tiny_checkpoint):
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(target=str(tiny_checkpoint()), output=out, dtype="fp32", show_progress=False))
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["written_files"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    err = one_line_error(capsys, ["--target", tiny_checkpoint(), "--output", out, "--dtype", "fp32", "--overwrite"])
+    assert "built before whiflash-build listed the files it writes" in err
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before

@@ -34,9 +34,6 @@ TENSORRT_DIR = "tensorrt"
 KERNELS_DIR = "kernels"
 COMPILED_DIR = "compiled"
 ROUTER_WEIGHTS = "router.safetensors"
-# Every name the builder writes at the top of an engine directory (nothing else may be replaced by a rebuild).
-ENGINE_ENTRIES = frozenset({MANIFEST, TARGET_WEIGHTS, TOKENIZER_DIR, "eagle3", "dflash", ROUTER_WEIGHTS, ONNX_DIR,
-                            TENSORRT_DIR, KERNELS_DIR, COMPILED_DIR})
 # The sections whose "path" entries (at any depth) name files of the engine, relative to its directory.
 PATH_SECTIONS = ("components", "onnx", "tensorrt", "kernels", "compiled")
 

@@ -19,7 +19,7 @@ from whiflash_trt.plugins.tensorrt_plugin import import_tensorrt
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.config import (AUTO, BACKENDS, DFLASH, EAGLE3, GRAPH_BACKENDS, CacheConfig, dtype_name,
                                  parse_dtype)
-from whiflash_trt.builder.output_dir import check_output, install, staging_dir
+from whiflash_trt.builder.output_dir import check_output, install, staging_dir, written_files
 from whiflash_trt.manifest import (COMPILED_DIR, KERNELS_DIR, ONNX_DIR, ROUTER_WEIGHTS, TARGET_WEIGHTS,
                                    TOKENIZER_DIR, Manifest, file_sha256)
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
@@ -240,8 +240,9 @@ def build_engine(opts: BuildOptions) -> Path:
                            "router": str(opts.router) if opts.router else None,
                            "whiflash_trt_version": __version__, "torch_version": torch.__version__,
                            "build_seconds": round(time.perf_counter() - start, 2)},
+            written_files=written_files(tmp),
         ).write(tmp)
-        install(tmp, out)
+        install(tmp, out, opts.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
