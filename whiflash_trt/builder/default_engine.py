@@ -1,16 +1,16 @@
 """The embedded default target's engine (SmolLM2-135M with the drafters and router the package ships), built once
-into a cache folder whose name carries the shipped drafters' hash, so retrained drafters never reuse an old engine."""
+into a cache folder whose name carries the shipped drafters' hash, so retrained drafters never reuse an old engine.
+Processes starting at once build it once (builder.build_once)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from whiflash_trt import kernels
-from whiflash_trt.builder.build import BuildOptions, build_engine
+from whiflash_trt.builder.build import BuildOptions
+from whiflash_trt.builder.build_once import build_once
 from whiflash_trt.builder.bundled import bundled_for
 from whiflash_trt.builder.sources import DEFAULT_TARGET
 from whiflash_trt.config import AUTO
-from whiflash_trt.manifest import MANIFEST
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
 LAYOUT = 5   # what a default engine holds; raised when that changes (2: EAGLE-3's step compiled; 3: DFlash's; 4: the
@@ -21,7 +21,5 @@ def default_engine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     # the kernels' version and the layout too: an engine built before them (or for another torch) is not reused
     engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16-{bundled_for(DEFAULT_TARGET).version()}" \
         f"-{kernels.version()}-l{LAYOUT}"
-    if not (engine_dir / MANIFEST).is_file():
-        print(f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)", file=sys.stderr)
-        build_engine(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16", backend=AUTO))
-    return engine_dir
+    return build_once(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16", backend=AUTO),
+                      announce=f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)")
