@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from whiflash_trt.builder.triton_repo import (ENSEMBLE_NAME, INPUTS, MODEL_NAME, MODEL_TEMPLATE, OUTPUTS,
+from whiflash_trt.builder.triton_repo import (ENSEMBLE_NAME, INPUTS, MARKER, MODEL_NAME, MODEL_TEMPLATE, OUTPUTS,
                                               TritonRepoOptions, write_triton_repo)
 from whiflash_trt.cli import build_main, serve_main
 from whiflash_trt.config import ModelConfig
-from whiflash_trt.errors import CheckpointError
+from whiflash_trt.errors import CheckpointError, WhiflashError
 from whiflash_trt.manifest import Manifest
 from whiflash_trt.serving.server import (ServerOptions, TritonDistribution, prepare_backends, server_command,
                                          server_environment)
@@ -149,3 +150,43 @@ def test_bad_server_ports_are_named(tmp_path, kwargs, message):
 def test_serve_cli_refuses_a_missing_repository(tmp_path, capsys):
     assert serve_main(["--triton-repo", str(tmp_path / "nowhere"), "--backends-dir", str(tmp_path / "b")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_model_folder_the_builder_did_not_write_is_kept_unless_overwrite(engine_dir, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    (repo / ENSEMBLE_NAME / "1").mkdir(parents=True)   # e.g. TensorRT-LLM's own ensemble
+    (repo / ENSEMBLE_NAME / "config.pbtxt").write_text('name: "ensemble"  # theirs')
+    argv = ["--engine", str(engine_dir), "--triton-repo", str(repo)]
+    assert build_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert f"{repo / ENSEMBLE_NAME} exists and was not written by whiflash-build" in err
+    assert "--triton-overwrite" in err
+    assert (repo / ENSEMBLE_NAME / "config.pbtxt").read_text() == 'name: "ensemble"  # theirs'
+    assert not (repo / MODEL_NAME).exists(), "neither model may be written when one is refused"
+    assert build_main(argv + ["--triton-overwrite"]) == 0
+    assert f'name: "{ENSEMBLE_NAME}"\nplatform: "ensemble"' in (repo / ENSEMBLE_NAME / "config.pbtxt").read_text()
+
+
+def test_a_folder_the_builder_wrote_is_replaced_without_overwrite(engine_dir, tmp_path):
+    repo = tmp_path / "repo"
+    write_triton_repo(TritonRepoOptions(engine_dir=engine_dir, output=repo))
+    assert (repo / MODEL_NAME / MARKER).is_file() and (repo / ENSEMBLE_NAME / MARKER).is_file()
+    (repo / MODEL_NAME / "1" / "stale.txt").write_text("from the last write")
+    write_triton_repo(TritonRepoOptions(engine_dir=engine_dir, output=repo, instance_count=4))
+    assert "count: 4" in (repo / MODEL_NAME / "config.pbtxt").read_text()
+    assert not (repo / MODEL_NAME / "1" / "stale.txt").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_symlinked_model_folder_is_refused_and_not_written_through(engine_dir, tmp_path, overwrite):
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    (elsewhere / "1").mkdir(parents=True)
+    (elsewhere / "config.pbtxt").write_text("theirs")
+    repo.mkdir()
+    (repo / MODEL_NAME).symlink_to(elsewhere)
+    with pytest.raises(WhiflashError, match=f"{repo / MODEL_NAME} is a symlink"):
+        write_triton_repo(TritonRepoOptions(engine_dir=engine_dir, output=repo, overwrite=overwrite))
+    assert (elsewhere / "config.pbtxt").read_text() == "theirs" and sorted(os.listdir(elsewhere)) == ["1",
+                                                                                                   "config.pbtxt"]
+    assert (repo / MODEL_NAME).is_symlink() and not (repo / ENSEMBLE_NAME).exists()

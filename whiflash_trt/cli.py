@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--triton-kv-budget-mb", type=int, default=256, help="KV memory of each instance")
     t.add_argument("--triton-threads", "--triton-torch-threads", type=int, default=0,
                    help="torch threads of each instance (0: half the server's cores, split over the instances)")
+    t.add_argument("--triton-overwrite", action="store_true",
+                   help="replace models `ensemble` / `whiflash` in --triton-repo that whiflash-build did not write "
+                        "(those it wrote are replaced without it; symlinked model folders never are)")
     p.add_argument("--no-bundled", action="store_true",
                    help="do not add the drafters/router the package ships for a named target (smollm2-135m)")
     return p
@@ -68,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_main(argv: list[str] | None = None) -> int:
     from whiflash_trt.builder.build import BuildOptions, build_engine
-    from whiflash_trt.builder.triton_repo import TritonRepoOptions, write_triton_repo
+    from whiflash_trt.builder.triton_repo import TritonRepoOptions, check_models, write_triton_repo
 
     p = build_parser()
     args = p.parse_args(argv)
@@ -76,6 +79,8 @@ def build_main(argv: list[str] | None = None) -> int:
         p.error("--overwrite goes with --output")
     if args.target is not None and args.output is None:
         p.error("--target needs --output (the engine directory to write)")
+    if args.triton_overwrite and args.triton_repo is None:
+        p.error("--triton-overwrite goes with --triton-repo")
     if args.engine is not None and (args.triton_repo is None or args.output is not None):
         p.error("--engine writes a Triton repository for an existing engine: give --triton-repo and no --output")
     try:
@@ -86,7 +91,8 @@ def build_main(argv: list[str] | None = None) -> int:
             triton = TritonRepoOptions(engine_dir=args.engine or args.output, output=args.triton_repo,
                                        instance_count=args.triton_instances, device=args.triton_device,
                                        kv_budget_mb=args.triton_kv_budget_mb, threads=args.triton_threads,
-                                       max_batch=args.triton_max_batch)
+                                       max_batch=args.triton_max_batch, overwrite=args.triton_overwrite)
+            check_models(args.triton_repo, args.triton_overwrite)
         engine_dir = args.engine
         if args.target is not None:
             dtype = args.dtype or ("fp32" if args.backend == "onnx" else "bf16")

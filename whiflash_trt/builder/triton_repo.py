@@ -7,6 +7,8 @@ text_output, model `ensemble`) work unchanged:
     REPO/whiflash/1/model.py      a copy of whiflash_trt/serving/triton_model.py; loads the engine named in the config
     REPO/ensemble/config.pbtxt    the model clients call; one step that forwards every input and output to `whiflash`
     REPO/ensemble/1/              (empty: Triton wants a version folder)
+    REPO/*/.whiflash-model        our marker: a rewrite replaces a model folder only if it carries one (or with
+                                  overwrite), since TensorRT-LLM's repositories hold their own `ensemble`
 
 Every request carries batch size 1 (max_batch_size 1, so tensors are [1, 1]), as in TensorRT-LLM's in-flight
 batching models: each instance batches the requests it holds itself (up to max_batch of them share every round).
@@ -19,11 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from whiflash_trt import serving
+from whiflash_trt.errors import WhiflashError
 from whiflash_trt.manifest import Manifest
 
 MODEL_NAME = "whiflash"
 ENSEMBLE_NAME = "ensemble"
 MODEL_TEMPLATE = Path(serving.__file__).with_name("triton_model.py")
+MARKER = ".whiflash-model"
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class TritonRepoOptions:
     kv_budget_mb: int = 256
     threads: int = 0              # torch threads of each instance; 0 = half the server's cores split over instances
     max_batch: int = 8            # requests each instance steps together
+    overwrite: bool = False       # replace model folders named whiflash / ensemble that carry no marker of ours
 
     def __post_init__(self) -> None:
         if self.instance_count < 1:
@@ -120,15 +125,37 @@ def ensemble_config() -> str:
             + "ensemble_scheduling {\n  step [\n" + step + "  ]\n}\n")
 
 
+def check_models(repo: Path, overwrite: bool) -> None:
+    """A WhiflashError unless each of our model folders in `repo` is absent, ours (it carries MARKER), or
+    `overwrite`; a symlink is refused either way (writing through it would change the folder it points to)."""
+    for name in (MODEL_NAME, ENSEMBLE_NAME):
+        _check_replaceable(Path(repo) / name, overwrite)
+
+
+def _check_replaceable(folder: Path, overwrite: bool) -> None:
+    if folder.is_symlink():
+        raise WhiflashError(f"--triton-repo: {folder} is a symlink; the builder does not write through links "
+                            f"(remove the link or name another repository)")
+    if folder.exists() and not (folder / MARKER).is_file() and not overwrite:
+        raise WhiflashError(f"--triton-repo: {folder} exists and was not written by whiflash-build (it has no "
+                            f"{MARKER}); pass --triton-overwrite to replace it, or name another repository")
+
+
 def write_triton_repo(opts: TritonRepoOptions) -> Path:
     """Write (or rewrite) the two models under opts.output; other models already there are left alone."""
     engine_dir = Path(opts.engine_dir).resolve()
     Manifest.read(engine_dir)  # fail now, not when the server loads the model
     repo = Path(opts.output)
-    for name, config in ((MODEL_NAME, model_config(opts, engine_dir)), (ENSEMBLE_NAME, ensemble_config())):
+    models = ((MODEL_NAME, model_config(opts, engine_dir)), (ENSEMBLE_NAME, ensemble_config()))
+    check_models(repo, opts.overwrite)   # both checked before either is touched
+    for name, config in models:
         folder = repo / name
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder.is_dir():
+            shutil.rmtree(folder)
+        elif folder.exists():
+            folder.unlink()   # a file in the folder's place, with overwrite
         (folder / "1").mkdir(parents=True)
+        (folder / MARKER).write_text("written by whiflash-build --triton-repo; a rebuild replaces this folder\n")
         (folder / "config.pbtxt").write_text(config)
     shutil.copyfile(MODEL_TEMPLATE, repo / MODEL_NAME / "1" / "model.py")
     return repo
