@@ -113,7 +113,7 @@ def measure(engine: Engine, prompts, ids: dict, args) -> list[dict]:
             path.with_suffix(".tmp").rename(path)
             print(f"[{i + 1}/{len(prompts)}] {pr.id}: {len(m['a_eagle3'])} states, "
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        out.append({"id": pr.id, "category": pr.category, **torch.load(path)})
+        out.append({"id": pr.id, "category": pr.category, **torch.load(path, weights_only=True)})
     return out
 
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     records = []
     for k, path in enumerate(sorted(args.cache.glob("*.pt"))):
-        m = torch.load(path)
+        m = torch.load(path, weights_only=True)
         for i in range(len(m["a_eagle3"])):
             records.append(StateRecord(args.first_seq + k, i, m["a_eagle3"][i] + 1, m["a_dflash"][i] + 1,
                                        m["entropy"][i], m["hidden"][i].float(), m["margin"][i]))

@@ -7,11 +7,14 @@ run: same data order, same random anchors, same loss sequence as an uninterrupte
 from __future__ import annotations
 
 import json
+import pickle
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from whiflash_trt.errors import CheckpointError
 
 STATE = "state.pt"
 LOG = "log.jsonl"
@@ -57,7 +60,7 @@ def load_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     path = folder / STATE
     if not path.is_file():
         return None
-    payload = torch.load(path, weights_only=False)
+    payload = read_state(path)
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     generator.set_state(payload["generator"])
@@ -73,7 +76,17 @@ def peek_extra(folder: Path) -> dict | None:
     path = folder / STATE
     if not path.is_file():
         return None
-    return torch.load(path, weights_only=False)["run"]["extra"]
+    return read_state(path)["run"]["extra"]
+
+
+def read_state(path: Path) -> dict:
+    """A saved training state, unpickled with weights_only=True: tensors, dicts, lists, tuples, numbers and strings
+    only, so a state.pt from elsewhere cannot run code when it is loaded."""
+    try:
+        return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load the training state {path}: {reason}") from None
 
 
 def append_log(folder: Path, record: dict) -> None:
