@@ -101,7 +101,11 @@ def install(staged: Path, out: Path, overwrite: bool) -> None:
             raise WhiflashError(f"cannot move the engine into --output {out}: {e.strerror}") from None
     aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
     old = aside / out.name
-    out.rename(old)
+    try:
+        out.rename(old)
+    except FileNotFoundError:   # `out` went away since the first rename: try that again
+        aside.rmdir()
+        return install(staged, out, overwrite)
     try:
         written = check_replaceable(old, str(out))
         if not overwrite:
@@ -109,11 +113,19 @@ def install(staged: Path, out: Path, overwrite: bool) -> None:
                                 f"pass --overwrite to replace it")
         staged.rename(out)
     except BaseException:
-        old.rename(out)
+        _put_back(old, out)
         aside.rmdir()
         raise
     if remove_written(old, written):
         aside.rmdir()
+
+
+def _put_back(old: Path, out: Path) -> None:
+    try:
+        old.rename(out)
+    except OSError as e:   # something took `out` meanwhile: the old folder stays where it is, and says so
+        raise WhiflashError(f"--output {out} changed during the install ({e.strerror}); what it held before is "
+                            f"kept in {old}") from None
 
 
 def remove_written(folder: Path, written: tuple[str, ...]) -> bool:
