@@ -101,7 +101,8 @@ def test_build_cli_writes_a_repository_for_an_existing_engine(engine_dir, tmp_pa
 
 
 @pytest.mark.parametrize("argv", [["--engine", "E"], ["--target", "T"], ["--engine", "E", "--triton-repo", "R",
-                                                                          "--output", "O"]])
+                                                                          "--output", "O"],
+                                  ["--target", "T", "--output", "O", "--triton-overwrite"]])
 def test_build_cli_rejects_incomplete_option_sets(argv):
     with pytest.raises(SystemExit):
         build_main(argv)
