@@ -6,7 +6,6 @@ import hashlib
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from whiflash_trt.runtime.engine import Engine
 
@@ -14,7 +13,6 @@ from whiflash_trt.runtime.engine import Engine
 # each other, well inside the other's build.
 BUILDER = """
 import hashlib, sys, time
-from pathlib import Path
 from whiflash_trt.builder.build import BuildOptions
 from whiflash_trt.builder.build_once import build_once
 target, out, ready, start = sys.argv[1:]
