@@ -13,6 +13,7 @@ from whiflash_trt.runtime.engine import Engine
 # each other, well inside the other's build.
 BUILDER = """
 import hashlib, sys, time
+from pathlib import Path
 from whiflash_trt.builder.build import BuildOptions
 from whiflash_trt.builder.build_once import build_once
 target, out, ready, start = sys.argv[1:]
@@ -31,7 +32,8 @@ def test_two_processes_build_the_shared_engine_once_and_both_use_it(tmp_path, ti
     procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tiny_checkpoint()), str(out), str(r), str(start)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ready]
     deadline = time.monotonic() + 120
-    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline \
+            and all(p.poll() is None for p in procs):
         time.sleep(0.01)
     start.write_text("")
     results = [p.communicate(timeout=300) for p in procs]
