@@ -231,7 +231,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (so is any temperature below 1e-5, "
+                   "config.GREEDY_BELOW_TEMPERATURE)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off; with --temperature)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
