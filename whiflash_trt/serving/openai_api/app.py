@@ -102,11 +102,14 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         return app
 
-    async def health(self) -> dict:
-        allocator = self.engine.kv.allocator
-        return {"status": "ok", "model": self.model_name, "queue_length": self.scheduler.num_waiting,
-                "running": self.scheduler.num_running, "kv_blocks_free": allocator.num_free,
+    async def health(self) -> JSONResponse:
+        """200 while the engine's worker runs, else 503; with the queue and the KV blocks in use."""
+        allocator, alive = self.engine.kv.allocator, self.scheduler.alive
+        body = {"status": "ok" if alive else "worker_stopped", "model": self.model_name,
+                "queue_length": self.scheduler.num_waiting, "running": self.scheduler.num_running,
+                "kv_blocks_free": allocator.num_free, "kv_blocks_used": allocator.num_blocks - allocator.num_free,
                 "kv_blocks_total": allocator.num_blocks}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
