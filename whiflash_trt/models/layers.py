@@ -1,6 +1,7 @@
 """Building blocks shared by the target and both drafters: RMSNorm, rotary embeddings, SwiGLU, paged attention."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -15,6 +16,19 @@ def k_major(w: torch.Tensor) -> torch.Tensor:
     """The same [out, in] matrix stored input-major (the transposed view of a contiguous [in, out] tensor): the
     fp32 layout row_linear needs. bf16 weights stay [out, in] (as fast or faster there, e.g. the LM head)."""
     return w.t().contiguous().t() if w.dtype == torch.float32 else w
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """oneDNN's bf16 GEMM runs on this CPU (x86 with AVX-512 BW/VL/DQ or AVX-NE-CONVERT): torch asks oneDNN, nothing
+    is tried and caught. Where it does not, bf16 linears without the engine's kernels widen their weights to fp32
+    (exact) for row_linear's fp32 GEMM and round the rows back to bf16: every row still gets a 1-row call's bits."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def bf16_linear_path() -> str:
+    """How a bf16 CPU linear runs without the engine's kernels: "onednn" (onednn_bf16) or "fp32" (widened)."""
+    return "onednn" if onednn_bf16() else "fp32"
 
 
 # Largest row count of one fp32 GEMM whose rows get the bits of a 2-row call, on every CPU we measured: MKL sums rows
@@ -35,6 +49,9 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     if x.dim() != 2:  # [..., in]: the rows are every leading index
         return row_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not onednn_bf16():
+        widened_bias = None if bias is None else bias.float()
+        return row_linear(x.float(), k_major(weight.float()), widened_bias).to(x.dtype)
     rows = x.shape[0]
     if weight.dtype == torch.float32 and rows > FP32_ROWS:
         return torch.cat([row_linear(x[i:i + FP32_ROWS], weight, bias) for i in range(0, rows, FP32_ROWS)])
@@ -46,36 +63,41 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 class FrozenLinear:
     """An inference-only linear layer (weight [out, in]) whose rows do not depend on the row count, so a verify row
     equals a 1-token step's row. A bf16 or fp32 CPU weight runs on the engine's own kernels where they are loaded
-    (whiflash_trt.kernels: row-invariant by construction, and 1.2-1.4x faster than oneDNN for bf16 decode and
-    verify). Elsewhere a bf16 weight is prepacked for oneDNN: its packed GEMM gives the bits of F.linear (with
-    row_linear's rule for a lone row over in_features > 1024, whose GEMV path sums in another order) and streams the
-    weights of few-row calls 1.6-2.2x faster than F.linear; an fp32 one runs on MKL through row_linear. Measured on
-    this project's CPUs; tests/test_row_invariance.py and tests/test_kernels.py hold the bits.
+    (whiflash_trt.kernels: row-invariant by construction). Elsewhere a bf16 weight runs bf16_linear_path()'s way:
+    prepacked for oneDNN where its bf16 GEMM runs (the bits of F.linear, with row_linear's rule for a lone row over
+    in_features > 1024, whose GEMV path sums in another order), else widened to fp32 for row_linear and rounded
+    back; an fp32 weight runs on MKL through row_linear. tests/test_row_invariance.py and tests/test_kernels.py hold
+    the bits.
 
     int8 (the drafters' LM heads, and both drafters' layers where kernels.int8_layers_pay): on the kernels a bf16
     weight without bias is quantised per output row (kernels.pack_int8) and streams half the bytes; many_rows picks
     the int8 GEMM loop for calls of many rows (kernels.linear: DFlash's blocks), else the one for few rows. A
-    drafter's output only steers what it proposes, never what is accepted, so this costs no exactness: measured on
-    SmolLM2's drafters (whiflash-bench, 25 prompts, 96 tokens), tau 1.9705 -> 1.9756 for EAGLE-3 and 1.8561 ->
-    1.8463 for DFlash with int8 heads (the layers: MODEL_CARD.md)."""
+    drafter's output only steers what it proposes, never what is accepted, so this costs no exactness (measured tau:
+    MODEL_CARD.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True,
                  int8: bool = False, many_rows: bool = False) -> None:
         self.weight, self.bias, self.many_rows = weight, bias, many_rows
-        self.packed = self.kernel_weight = self.kernel_bias = None
+        self.packed = self.kernel_weight = self.kernel_bias = self.widened = None
         if use_kernel and kernels.registered() and kernels.supports(weight):
             # int8: a bf16 weight without bias quantised per output row (kernels.pack_int8): a drafter's head or layers
             quantise = int8 and bias is None and weight.dtype == torch.bfloat16
             self.kernel_weight = kernels.pack_int8(weight) if quantise else kernels.pack_weight(weight)
             self.kernel_bias = None if bias is None else bias.detach().float()
-        elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            if onednn_bf16():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            else:
+                self.widened = k_major(weight.detach().float())
+                self.widened_bias = None if bias is None else bias.detach().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.kernel_weight is not None:
             y = kernels.linear(rows, self.kernel_weight, self.kernel_bias, self.weight.shape[0], self.many_rows)
             return y.view(*x.shape[:-1], y.shape[-1])
+        if self.widened is not None:
+            return row_linear(x.float(), self.widened, self.widened_bias).to(x.dtype)
         if self.packed is None:
             return row_linear(x, self.weight, self.bias)
         lone = rows.shape[0] == 1 and rows.shape[1] > 1024   # row_linear's rule: a lone row runs as two
