@@ -270,3 +270,27 @@ def test_load_streams_keep_their_outputs_beside_hostile_requests(server, spec_en
     assert health["kv_blocks_used"] == 0 and health["kv_blocks_free"] == health["kv_blocks_total"]
     assert (health["running"], health["queue_length"]) == (0, 0)
     assert time.monotonic() - start < LOAD_DEADLINE_S
+
+
+def test_a_chat_template_that_refuses_the_messages_is_an_openai_400(spec_engine_dir):
+    """In process (the app over a real engine and scheduler): the engine's own template raises, as templates that
+    check the roles' order do (raise_exception); the client gets a 400 naming it, and the server goes on."""
+    from fastapi.testclient import TestClient
+
+    from whiflash_trt.runtime.engine import Engine
+    from whiflash_trt.serving.openai_api.app import OpenAIServer
+    from whiflash_trt.serving.scheduler import BatchScheduler
+
+    engine = Engine.load(spec_engine_dir)
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = ("{% if messages[0]['role'] == 'assistant' %}"
+                                      "{{ raise_exception('the conversation must not start with the assistant') }}"
+                                      "{% endif %}" + template)
+    app = OpenAIServer(engine, BatchScheduler(engine, threads=1, max_running=1), MODEL).app()
+    with TestClient(app, raise_server_exceptions=False) as client:
+        body = {"model": MODEL, "messages": [{"role": "assistant", "content": "Hi"}], "max_tokens": 4}
+        error = error_of(client.post("/v1/chat/completions", json=body), 400)
+        assert (error["code"], error["param"]) == ("invalid_messages", "messages")
+        assert "must not start with the assistant" in error["message"]
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
