@@ -166,3 +166,20 @@ def test_a_request_whose_round_raises_ends_alone_and_the_others_are_as_alone(spe
         reqs[3].result()
     keep = [0, 2, 4]
     assert_same_as_alone(spec_engine, [work[i] for i in keep], [reqs[i].result() for i in keep])
+
+
+def test_a_request_whose_drafting_raises_ends_alone_and_the_others_are_as_alone(spec_engine):
+    """Request 0 (whiflash mode) loses its route signal after prefill, so its router raises while the batch drafts;
+    the batch then drafts each request alone and only request 0 ends. (It is the first to route: the others' routers
+    see each signal once, so their rounds and tau match too.)"""
+    work = [(jobs(spec_engine, 1, seed=8)[0][0], GenerationConfig(max_new_tokens=30), SPECS[4])]
+    work += jobs(spec_engine, 6, seed=9)[1:]
+    batch = Batch(spec_engine, max_running=6)
+    reqs = [batch.submit(spec_engine.request(p, g, s)) for p, g, s in work]
+    batch.step()
+    assert batch.running[0] is reqs[0]
+    reqs[0].signal = None
+    batch.run()
+    with pytest.raises(AttributeError):
+        reqs[0].result()
+    assert_same_as_alone(spec_engine, work[1:], [r.result() for r in reqs[1:]])
