@@ -98,14 +98,14 @@ class Batch:
         for req, draft in zip(running, drafts):
             if not req.done:
                 self._guarded(req, self.engine.commit, req, draft, outs[id(req)], verify_seconds)
-        if len(everyone) == 1 and drafts and not running[0].done:   # alone: the round's seconds are its choice's cost
+        if len(everyone) == 1 and drafts and running[0].error is None:   # alone: the round's seconds are its cost
             self._guarded(running[0], self.engine.observe_round, drafts[0])
 
     def _drafts(self, running: list[Request]) -> dict[int, Draft]:
         """id(request) -> its draft: all together (drafters propose in groups), or, when that raises, each request
         alone, so that only the one that raises again fails. (A request routed before the failure routes once
-        more: its stateful router may then choose another drafter, which changes its speed, never its greedy
-        tokens.)"""
+        more: its stateful router may then choose another drafter, which changes its speed and a sampled request's
+        draws, not its output's distribution, and never greedy tokens.)"""
         try:
             return {id(req): d for req, d in zip(running, self.engine.draft(running))}
         except Exception:
