@@ -147,7 +147,7 @@ def test_chat_without_max_tokens_gets_the_servers_default_not_the_whole_context(
 def test_a_full_queue_is_answered_429(spec_engine_dir, tmp_path):
     """One request runs (--max-batch 1), one waits (--max-queue 1): the next is refused, and served once they end."""
     with serving(spec_engine_dir, tmp_path / "server.log", "--max-batch", "1", "--max-queue", "1") as url:
-        long = completion(max_tokens=150, mode="ar", ignore_eos=True)   # 150 target-only rounds each (> 1 s)
+        long = completion(max_tokens=100, mode="ar", ignore_eos=True)   # 100 target-only rounds each (> 1 s)
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=120)
             second = pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=120)
