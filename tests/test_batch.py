@@ -130,3 +130,56 @@ def test_trees_grown_together_equal_trees_grown_alone(spec_engine_dir, dtype):
     for req in list(batch.running):
         batch.cancel(req, RuntimeError("done"))
     assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy_beside_a_greedy_request(spec_engine):
+    """1e-40 overflows fp32 logits to inf (NaN probabilities): it is below GREEDY_BELOW_TEMPERATURE, so greedy."""
+    prompt, _, _ = jobs(spec_engine, 1, seed=6)[0]
+    greedy = GenerationConfig(max_new_tokens=20)
+    tiny = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1e-40, seed=1))
+    batch = Batch(spec_engine, max_running=2)
+    reqs = [batch.submit(spec_engine.request(prompt, gen, SpecConfig(mode="eagle3"))) for gen in (tiny, greedy)]
+    batch.run()
+    alone = spec_engine.generate(prompt, greedy, spec=SpecConfig(mode="eagle3")).token_ids
+    assert [r.result().token_ids for r in reqs] == [alone, alone]
+
+
+def poison(req, sampling_field: str = "temperature", value=float("nan")) -> None:
+    """Corrupt one request's settings past their validation (as a bug would): its next round raises in the engine."""
+    object.__setattr__(req.gen.sampling, sampling_field, value)
+
+
+def test_a_request_whose_round_raises_ends_alone_and_the_others_are_as_alone(spec_engine):
+    """Poisoned after admission: request 1 fails in its prefill's forward (a token id outside the vocabulary),
+    request 3 in a later round's verify (NaN temperature: torch.multinomial raises); the rest keep their output."""
+    work = jobs(spec_engine, 5, seed=7, sampling=True)
+    batch = Batch(spec_engine, max_running=5)
+    reqs = [batch.submit(spec_engine.request(p, g, s)) for p, g, s in work]
+    reqs[1].seq.prompt_ids[-1] = spec_engine.target.config.vocab_size + 7
+    batch.step()
+    assert reqs[1].done and not reqs[3].done
+    poison(reqs[3])
+    batch.run()
+    with pytest.raises(IndexError):
+        reqs[1].result()
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        reqs[3].result()
+    keep = [0, 2, 4]
+    assert_same_as_alone(spec_engine, [work[i] for i in keep], [reqs[i].result() for i in keep])
+
+
+def test_a_request_whose_drafting_raises_ends_alone_and_the_others_are_as_alone(spec_engine):
+    """Request 0 (whiflash mode) loses its route signal after prefill, so its router raises while the batch drafts;
+    the batch then drafts each request alone and only request 0 ends. (It is the first to route: the others' routers
+    see each signal once, so their rounds and tau match too.)"""
+    work = [(jobs(spec_engine, 1, seed=8)[0][0], GenerationConfig(max_new_tokens=30), SPECS[4])]
+    work += jobs(spec_engine, 6, seed=9)[1:]
+    batch = Batch(spec_engine, max_running=6)
+    reqs = [batch.submit(spec_engine.request(p, g, s)) for p, g, s in work]
+    batch.step()
+    assert batch.running[0] is reqs[0]
+    reqs[0].signal = None
+    batch.run()
+    with pytest.raises(AttributeError):
+        reqs[0].result()
+    assert_same_as_alone(spec_engine, work[1:], [r.result() for r in reqs[1:]])

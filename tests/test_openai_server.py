@@ -327,6 +327,9 @@ def test_bad_server_options_are_one_error_line_before_anything_loads(capsys, tmp
     assert capsys.readouterr().err.strip() == "error: port must be in 1..65535, got 0"
     assert serve_main(["--openai", "--engine", str(tmp_path / "none"), "--port", "9", "--threads", "1"]) == 2
     assert "not a whiflash engine directory" in capsys.readouterr().err
+    for option, value in (("--max-queue", "0"), ("--max-body-bytes", "-1"), ("--chat-max-tokens", "0")):
+        assert serve_main(["--openai", "--engine", str(tmp_path), "--port", "9", option, value]) == 2
+        assert capsys.readouterr().err.strip() == f"error: {option[2:]} must be >= 1, got {value}"
 
 
 def test_the_runtime_and_the_triton_cli_do_not_import_the_web_stack():

@@ -281,6 +281,26 @@ def test_eight_concurrent_clients_each_get_their_own_answer(server):
         assert replies[i].text == want["text"], f"client {i} ({PROMPTS[i]!r}) got another answer"
 
 
+def test_a_poisoned_temperature_beside_a_greedy_request_leaves_both_greedy(server):
+    """temperature 1e-40 (fp32 logits divided by it overflow) is greedy, and its batch-mate keeps its answer."""
+    poisoned = make_inputs(PROMPTS[0], extra={"temperature": _array(1e-40, np.float32)})
+    replies: dict[int, Reply] = {}
+
+    def client(i: int, inputs: list) -> None:
+        replies[i] = grpc_generate(server.grpc_url, inputs)
+
+    threads = [threading.Thread(target=client, args=(0, poisoned)),
+               threading.Thread(target=client, args=(1, make_inputs(PROMPTS[1])))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=4 * REQUEST_TIMEOUT_S)
+    assert sorted(replies) == [0, 1]
+    for i in (0, 1):
+        assert replies[i].error is None, replies[i].error
+        assert replies[i].text == server.expected[i]["text"]
+
+
 @pytest.mark.parametrize("inputs, message", [
     (dict(text=None), "text_input is required"),
     (dict(text=""), "prompt is empty"),

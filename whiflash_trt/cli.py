@@ -151,7 +151,34 @@ def openai_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help="the model id clients send (default: the engine's target name, e.g. "
                                         "smollm2-135m)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where the default engine is built")
+    _limit_options(p)
     return p
+
+
+def _limit_options(p: argparse.ArgumentParser) -> None:
+    """What the OpenAI server accepts (serving.openai_api.limits.ServerLimits; docs/openai.md)."""
+    from whiflash_trt.serving.openai_api.limits import ServerLimits
+
+    d = ServerLimits()
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (413 above)")
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help="most characters in a prompt (all of a chat's messages), checked before tokenizing (400)")
+    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                   help="most characters in each stop string (up to 4 of them; 400)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests waiting for the engine; one more is answered 429")
+    p.add_argument("--chat-max-tokens", type=int, default=d.chat_max_tokens,
+                   help="max_tokens of a chat request that names none (capped by the context's room)")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health (401 without); "
+                                     "default: no key")
+
+
+def _limits(args: argparse.Namespace):
+    from whiflash_trt.serving.openai_api.limits import ServerLimits
+
+    return ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                        max_stop_chars=args.max_stop_chars, max_queue=args.max_queue,
+                        chat_max_tokens=args.chat_max_tokens, api_key=args.api_key)
 
 
 def _openai_main(argv: list[str]) -> int:
@@ -165,7 +192,7 @@ def _openai_main(argv: list[str]) -> int:
         opts = OpenAIServerOptions(engine_dir=args.engine, address=args.address, port=args.port,
                                    threads=args.threads, kv_budget_mb=args.kv_budget_mb,
                                    max_batch=args.max_batch, dtype=args.dtype,
-                                   device=args.device, model_name=args.model_name)
+                                   device=args.device, model_name=args.model_name, limits=_limits(args))
         check_device(args.device)
         engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
         run_server(replace(opts, engine_dir=engine_dir))
@@ -237,7 +264,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (so is any temperature below 1e-5, "
+                   "config.GREEDY_BELOW_TEMPERATURE)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off; with --temperature)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, help="sampling seed (default: a random one)")

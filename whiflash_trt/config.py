@@ -152,9 +152,15 @@ class CacheConfig:
             raise ValueError(f"KV memory budget must be positive, got {self.memory_budget_bytes}")
 
 
+# Temperatures below this are greedy: dividing fp32 logits by a far smaller one overflows them to inf, and the
+# probabilities become NaN (at 1e-5 the distribution is the argmax already, unless logits tie within 1e-5).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is chosen. temperature 0 means greedy (top_k/top_p are then ignored)."""
+    """How the next token is chosen. A temperature below GREEDY_BELOW_TEMPERATURE (0 included) means greedy (top_k and
+    top_p are then ignored)."""
     temperature: float = 0.0
     top_k: int = 0          # 0: no top-k filter
     top_p: float = 1.0
@@ -170,7 +176,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)

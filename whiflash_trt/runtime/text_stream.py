@@ -14,15 +14,18 @@ class TextStream:
         self.num_sent = 0   # characters handed out so far
 
     def _safe_length(self, text: str) -> int:
-        """Length of the prefix of `text` that no stop string can still claim."""
-        safe = len(text)
+        """Length of the prefix of `text` that no stop string can still claim. Only the text after what was handed
+        out is searched (a stop string never begins in it), so a token costs O(new text + held-back tail) per stop
+        string, not O(all the text)."""
+        safe, start = len(text), min(self.num_sent, len(text))
         for stop in self.stops:
-            at = text.find(stop)
+            at = text.find(stop, start)
             if at >= 0:
                 safe = min(safe, at)
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):   # a tail that begins this stop string
-                if text.endswith(stop[:k]):
-                    safe = min(safe, len(text) - k)
+            tail = text[max(start, len(text) - len(stop) + 1):]   # a tail that begins this stop string
+            for i in range(len(tail)):
+                if stop.startswith(tail[i:]):
+                    safe = min(safe, len(text) - len(tail) + i)
                     break
         return safe
 

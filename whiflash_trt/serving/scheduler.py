@@ -3,10 +3,12 @@
 
 `BatchScheduler` steps one runtime.batch.Batch on one worker thread: requests join between rounds (up to
 `max_running` at once, as KV memory allows) and share every target forward; each one's output is exactly its
-output alone.
+output alone. Every call out of the worker (the batch's step, the sinks) is guarded: what one raises is logged in one
+line and ends at most that request, never the worker; `alive` says whether the worker runs (the servers' health).
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -18,6 +20,8 @@ from whiflash_trt.runtime.batch import Batch
 from whiflash_trt.runtime.engine import Engine
 from whiflash_trt.runtime.request import GenerationResult
 from whiflash_trt.runtime.request import Request as EngineRequest
+
+log = logging.getLogger("whiflash.scheduler")
 
 
 class RequestCancelled(Exception):
@@ -50,11 +54,13 @@ class Request:
 
 
 class Scheduler(Protocol):
-    """Runs submitted requests; `num_waiting` and `num_running` feed /health and /metrics."""
+    """Runs submitted requests; `alive`, `num_waiting` and `num_running` feed /health and /metrics."""
 
     def start(self) -> None: ...
     def submit(self, request: Request) -> None: ...
     def close(self) -> None: ...
+    @property
+    def alive(self) -> bool: ...
     @property
     def num_waiting(self) -> int: ...
     @property
@@ -71,6 +77,11 @@ class BatchScheduler:
         self._live: dict[int, tuple[EngineRequest, Request]] = {}   # id(engine request) -> (it, the server's)
         self._closing = threading.Event()
         self._worker = threading.Thread(target=self._work, name="whiflash-engine", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker runs (started, not closing, not dead)."""
+        return self._worker.is_alive() and not self._closing.is_set()
 
     @property
     def num_waiting(self) -> int:
@@ -94,23 +105,30 @@ class BatchScheduler:
             self._worker.join()
         while not self._inbox.empty():
             if (request := self._inbox.get_nowait()) is not None:
-                request.sink.cancelled()
+                _notify(request, "cancelled")
 
     def _work(self) -> None:
         set_threads(self.threads)   # torch's intra-op thread count, set on the thread that runs the engine
         while not self._closing.is_set():
-            self._take(block=not self._batch.busy)
-            for req, request in list(self._live.values()):
-                if request.cancel_event.is_set():
-                    self._batch.cancel(req, RequestCancelled())
-            if self._batch.busy:
-                try:
-                    self._batch.step()
-                except Exception:   # Batch.step ended that step's requests with the error; the worker goes on
-                    pass
-            self._report_ended()
+            try:
+                self._turn()
+            except Exception as e:   # a bug between the guarded calls: logged, and the worker goes on
+                log.error("whiflash scheduler: %s: %s (the worker goes on)", type(e).__name__, e)
         for req, _ in list(self._live.values()):
             self._batch.cancel(req, RequestCancelled())
+        self._report_ended()
+
+    def _turn(self) -> None:
+        """Take what was submitted, cancel what was cancelled, run one step, report what ended."""
+        self._take(block=not self._batch.busy)
+        for req, request in list(self._live.values()):
+            if request.cancel_event.is_set():
+                self._batch.cancel(req, RequestCancelled())
+        if self._batch.busy:
+            try:
+                self._batch.step()
+            except Exception as e:   # Batch.step ended that step's requests with the error
+                log.error("whiflash scheduler: a step failed: %s: %s", type(e).__name__, e)
         self._report_ended()
 
     def _report_ended(self) -> None:
@@ -119,11 +137,21 @@ class BatchScheduler:
         for key in [k for k in self._live if k not in held]:
             req, request = self._live.pop(key)
             if isinstance(req.error, RequestCancelled):
-                request.sink.cancelled()
+                _notify(request, "cancelled")
             elif req.error is not None:
-                request.sink.failed(req.error)
+                _notify(request, "failed", req.error)
             else:
-                request.sink.finished(req.result())
+                self._finish(req, request)
+
+    @staticmethod
+    def _finish(req: EngineRequest, request: Request) -> None:
+        try:
+            result = req.result()
+        except Exception as e:
+            _notify(request, "failed", e)
+            return
+        if not _notify(request, "finished", result):   # the client still gets its one final event
+            _notify(request, "failed", RuntimeError("the server could not deliver the result"))
 
     def _take(self, block: bool) -> None:
         """Move submitted requests into the batch (waiting while idle); one that cannot run fails at once."""
@@ -140,7 +168,7 @@ class BatchScheduler:
 
     def _admit(self, request: Request) -> None:
         if request.cancel_event.is_set():
-            request.sink.cancelled()
+            _notify(request, "cancelled")
             return
 
         def on_tokens(new_ids: list[int]) -> None:
@@ -152,6 +180,16 @@ class BatchScheduler:
             req = self.engine.request(request.prompt_ids, request.gen, request.spec, on_tokens)
             self._batch.submit(req)
         except Exception as e:   # the request's failure, reported to its client
-            request.sink.failed(e)
+            _notify(request, "failed", e)
             return
         self._live[id(req)] = (req, request)
+
+
+def _notify(request: Request, event: str, *args) -> bool:
+    """request.sink.<event>(*args) -> whether it returned; what it raises is logged in one line."""
+    try:
+        getattr(request.sink, event)(*args)
+        return True
+    except Exception as e:
+        log.error("whiflash scheduler: a request's %s report raised %s: %s", event, type(e).__name__, e)
+        return False

@@ -1,22 +1,27 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
-Handlers run on the event loop; the engine runs on the scheduler's thread. A request is parsed and validated here
-(a bad one is answered 400/404 at once), submitted, and its output comes back through `_Events`, a RequestSink that
-moves each event onto the loop. A streaming client that goes away cancels its request: the scheduler stops it at the
-next round and the engine frees its KV blocks.
+Handlers run on the event loop; the engine runs on the scheduler's thread. A request's body is read within the
+server's limits (serving.openai_api.limits), then parsed, validated and tokenized on a parsing thread, off the loop
+(a bad one is answered 4xx at once), submitted (429 while the queue is full), and its output comes back through
+`_Events`, a RequestSink that moves each event onto the loop. A streaming client that goes away cancels its request:
+the scheduler stops it at the next round and the engine frees its KV blocks.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from whiflash_trt.errors import WhiflashError
+from whiflash_trt.serving.openai_api.body import read_json
+from whiflash_trt.serving.openai_api.limits import ServerLimits
 from whiflash_trt.serving.openai_api.metrics import ServerMetrics
 from whiflash_trt.serving.openai_api.protocol import APIError, ParsedRequest, parse_chat, parse_completion
 from whiflash_trt.serving.openai_api.responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -74,10 +79,33 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+OPEN_ROUTES = ("/health",)   # answered without the API key
+
+
+class KeyCheck:
+    """ASGI middleware: with ServerLimits.api_key set, a request to any route but OPEN_ROUTES without that key as
+    `Authorization: Bearer KEY` is answered 401 before it is read."""
+
+    def __init__(self, app, limits: ServerLimits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] == "http" and scope["path"] not in OPEN_ROUTES
+                and not self.limits.authorized(Headers(scope=scope).get("authorization"))):
+            error = APIError("a valid API key is required: send it as Authorization: Bearer KEY",
+                             code="invalid_api_key", status=401)
+            await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class OpenAIServer:
-    def __init__(self, engine: Engine, scheduler: Scheduler, model_name: str) -> None:
-        self.engine, self.scheduler, self.model_name = engine, scheduler, model_name
+    def __init__(self, engine: Engine, scheduler: Scheduler, model_name: str,
+                 limits: ServerLimits = ServerLimits()) -> None:
+        self.engine, self.scheduler, self.model_name, self.limits = engine, scheduler, model_name, limits
         self.metrics = ServerMetrics(engine, scheduler)
+        # One thread tokenizes every request, off the event loop (the tokenizer is not used by two encodes at once)
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="whiflash-parse")
 
     def app(self) -> FastAPI:
         @asynccontextmanager
@@ -85,6 +113,7 @@ class OpenAIServer:
             self.scheduler.start()
             yield
             self.scheduler.close()
+            self._parser.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="whiflash-trt OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -95,6 +124,7 @@ class OpenAIServer:
             return JSONResponse(APIError(message, code=code, status=exc.status_code).body(),
                                 status_code=exc.status_code)
 
+        app.add_middleware(KeyCheck, limits=self.limits)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
         app.get("/v1/models")(self.models)
@@ -102,11 +132,14 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         return app
 
-    async def health(self) -> dict:
-        allocator = self.engine.kv.allocator
-        return {"status": "ok", "model": self.model_name, "queue_length": self.scheduler.num_waiting,
-                "running": self.scheduler.num_running, "kv_blocks_free": allocator.num_free,
+    async def health(self) -> JSONResponse:
+        """200 while the engine's worker runs, else 503; with the queue and the KV blocks in use."""
+        allocator, alive = self.engine.kv.allocator, self.scheduler.alive
+        body = {"status": "ok" if alive else "worker_stopped", "model": self.model_name,
+                "queue_length": self.scheduler.num_waiting, "running": self.scheduler.num_running,
+                "kv_blocks_free": allocator.num_free, "kv_blocks_used": allocator.num_blocks - allocator.num_free,
                 "kv_blocks_total": allocator.num_blocks}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -123,11 +156,12 @@ class OpenAIServer:
 
     async def _serve(self, http: HTTPRequest, endpoint: str, parse, response_format) -> Response:
         try:
-            try:
-                body = await http.json()
-            except ValueError as e:
-                raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-            parsed: ParsedRequest = parse(body, self.engine, self.model_name)
+            body = await read_json(http, self.limits)
+            parsed: ParsedRequest = await asyncio.get_running_loop().run_in_executor(
+                self._parser, parse, body, self.engine, self.model_name, self.limits)
+            if self.scheduler.num_waiting >= self.limits.max_queue:
+                raise APIError(f"the server is busy: {self.scheduler.num_waiting} requests are waiting (its "
+                               f"--max-queue); retry later", type="server_busy", code="queue_full", status=429)
         except APIError as e:
             self.metrics.refused(endpoint)
             return JSONResponse(e.body(), status_code=e.status)

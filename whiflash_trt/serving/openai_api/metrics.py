@@ -24,6 +24,8 @@ class ServerMetrics:
                                   "request", registry=r)
         self.tau = Histogram("whiflash_request_tau", "mean acceptance length (tokens per round) of each finished "
                              "request", buckets=TAU_BUCKETS, registry=r)
+        Gauge("whiflash_worker_up", "1 while the engine's worker thread runs, else 0 (/health then answers 503)",
+              registry=r).set_function(lambda: float(scheduler.alive))
         Gauge("whiflash_queue_length", "requests waiting for the engine", registry=r).set_function(
             lambda: scheduler.num_waiting)
         Gauge("whiflash_running_requests", "requests the engine is generating", registry=r).set_function(

@@ -13,10 +13,12 @@ from typing import Any
 from whiflash_trt.config import AUTO, MODES, ROUTERS, GenerationConfig, SamplingConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.serving.openai_api.limits import ServerLimits
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; chat defaults to the context's room
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; chat's is ServerLimits.chat_max_tokens
 MAX_STOP_STRINGS = 4                  # OpenAI's limit
-DEFAULT_TEMPERATURE = 1.0             # OpenAI's default: a request without temperature samples (0 = greedy)
+DEFAULT_TEMPERATURE = 1.0             # OpenAI's default: a request without temperature samples (0 = greedy; so is
+                                      # any temperature below config.GREEDY_BELOW_TEMPERATURE)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # Parameters this server does not implement: a request that sets one to anything but its default is refused,
 # never silently served as if the parameter had been honoured.
@@ -86,7 +88,7 @@ def _string(body: dict, name: str) -> str | None:
     return value
 
 
-def _stop_strings(body: dict) -> tuple[str, ...]:
+def _stop_strings(body: dict, max_chars: int) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
@@ -94,7 +96,10 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise _type_error("stop", "a string or a list of strings", stop)
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise APIError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {stop!r}", param="stop")
+        raise APIError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {len(stops)}", param="stop")
+    if any(len(s) > max_chars for s in stops):
+        raise APIError(f"each stop string holds at most {max_chars} characters, got "
+                       f"{max(len(s) for s in stops)}", param="stop", code="stop_too_long")
     return tuple(stops)
 
 
@@ -136,13 +141,14 @@ def _spec(body: dict, engine: Engine) -> SpecConfig:
     return spec
 
 
-def _generation(body: dict, prompt_len: int, context: int, default_max_tokens: int | None) -> GenerationConfig:
+def _generation(body: dict, prompt_len: int, context: int, default_max_tokens: int,
+                limits: ServerLimits) -> GenerationConfig:
     max_tokens = _integer(body, "max_tokens", None)
     name = "max_tokens"
     if max_tokens is None and "max_completion_tokens" in body:
         max_tokens, name = _integer(body, "max_completion_tokens", None), "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = default_max_tokens or context - prompt_len
+        max_tokens = min(default_max_tokens, context - prompt_len)
     if max_tokens <= 0:
         raise APIError(f"{name} must be a positive integer, got {max_tokens}", param=name)
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
@@ -157,7 +163,7 @@ def _generation(body: dict, prompt_len: int, context: int, default_max_tokens: i
     seed = _integer(body, "seed", None)
     if seed is not None and not 0 <= seed < 2**63:
         raise APIError(f"seed must be in [0, 2^63), got {seed}", param="seed")
-    return GenerationConfig(max_new_tokens=max_tokens, stop_strings=_stop_strings(body),
+    return GenerationConfig(max_new_tokens=max_tokens, stop_strings=_stop_strings(body, limits.max_stop_chars),
                             ignore_eos=_boolean(body, "ignore_eos", False),
                             sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
 
@@ -174,13 +180,13 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     return stream, _boolean(options, "include_usage", False)
 
 
-def _parse(body: dict, engine: Engine, prompt_ids: list[int], param: str,
-           default_max_tokens: int | None) -> ParsedRequest:
+def _parse(body: dict, engine: Engine, prompt_ids: list[int], param: str, default_max_tokens: int,
+           limits: ServerLimits) -> ParsedRequest:
     context = engine.manifest.model.max_position_embeddings
     if len(prompt_ids) >= context:
         raise APIError(f"this model's context is {context} tokens, and the prompt has {len(prompt_ids)}; shorten it",
                        param=param, code="context_length_exceeded")
-    gen = _generation(body, len(prompt_ids), context, default_max_tokens)
+    gen = _generation(body, len(prompt_ids), context, default_max_tokens, limits)
     stream, include_usage = _stream_options(body)
     return ParsedRequest(prompt_ids, gen, _spec(body, engine), stream, include_usage)
 
@@ -193,7 +199,14 @@ def _checked_body(body: Any, served: str) -> dict:
     return body
 
 
-def parse_completion(body: Any, engine: Engine, served: str) -> ParsedRequest:
+def _check_prompt_chars(num_chars: int, param: str, limits: ServerLimits) -> None:
+    """Before tokenizing: a prompt's characters within the server's limit."""
+    if num_chars > limits.max_prompt_chars:
+        raise APIError(f"the prompt has {num_chars} characters; this server takes up to {limits.max_prompt_chars}",
+                       param=param, code="prompt_too_long")
+
+
+def parse_completion(body: Any, engine: Engine, served: str, limits: ServerLimits) -> ParsedRequest:
     """/v1/completions: `prompt` is a non-empty string (or a list of one), or a list of token ids."""
     body = _checked_body(body, served)
     prompt = body.get("prompt")
@@ -204,6 +217,7 @@ def parse_completion(body: Any, engine: Engine, served: str) -> ParsedRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError("prompt is empty", param="prompt")
+        _check_prompt_chars(len(prompt), "prompt", limits)
         ids = engine.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = engine.manifest.model.vocab_size
@@ -212,7 +226,7 @@ def parse_completion(body: Any, engine: Engine, served: str) -> ParsedRequest:
         ids = list(prompt)
     else:
         raise _type_error("prompt", "a non-empty string or a list of token ids (one prompt per request)", prompt)
-    return _parse(body, engine, ids, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return _parse(body, engine, ids, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS, limits)
 
 
 def _message_text(i: int, message: Any) -> tuple[str, str]:
@@ -236,7 +250,7 @@ def chat_prompt_ids(engine: Engine, messages: list[tuple[str, str]]) -> list[int
     return engine.encode_chat([{"role": r, "content": c} for r, c in messages])
 
 
-def parse_chat(body: Any, engine: Engine, served: str) -> ParsedRequest:
+def parse_chat(body: Any, engine: Engine, served: str, limits: ServerLimits) -> ParsedRequest:
     """/v1/chat/completions: `messages` is a non-empty list of {role, content}."""
     body = _checked_body(body, served)
     messages = body.get("messages")
@@ -245,8 +259,12 @@ def parse_chat(body: Any, engine: Engine, served: str) -> ParsedRequest:
     if not isinstance(messages, list) or not messages:
         raise _type_error("messages", "a non-empty list", messages)
     turns = [_message_text(i, m) for i, m in enumerate(messages)]
+    _check_prompt_chars(sum(len(text) for _, text in turns), "messages", limits)
     try:
         ids = chat_prompt_ids(engine, turns)
     except WhiflashError as e:
         raise APIError(str(e), param="messages") from None
-    return _parse(body, engine, ids, "messages", None)
+    except Exception as e:   # the template refuses these messages (jinja2's raise_exception, a role order it rejects)
+        raise APIError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                       param="messages", code="invalid_messages") from None
+    return _parse(body, engine, ids, "messages", limits.chat_max_tokens, limits)

@@ -8,6 +8,7 @@ import uvicorn
 
 from whiflash_trt.manifest import Manifest
 from whiflash_trt.serving.openai_api.app import OpenAIServer
+from whiflash_trt.serving.openai_api.limits import ServerLimits
 from whiflash_trt.serving.scheduler import BatchScheduler
 from whiflash_trt.runtime.device import set_threads
 from whiflash_trt.runtime.engine import Engine
@@ -24,6 +25,7 @@ class OpenAIServerOptions:
     dtype: str | None = None
     device: str = "cpu"
     model_name: str | None = None   # None: served_model_name(the engine's manifest)
+    limits: ServerLimits = ServerLimits()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -51,11 +53,12 @@ def build_server(opts: OpenAIServerOptions) -> OpenAIServer:
     engine = Engine.load(opts.engine_dir, device=opts.device, dtype=opts.dtype,
                          kv_budget_bytes=opts.kv_budget_mb * 2**20)
     name = opts.model_name or served_model_name(engine.manifest)
-    return OpenAIServer(engine, BatchScheduler(engine, opts.threads, opts.max_batch), name)
+    return OpenAIServer(engine, BatchScheduler(engine, opts.threads, opts.max_batch), name, opts.limits)
 
 
 def run_server(opts: OpenAIServerOptions) -> None:
     server = build_server(opts)
     print(f"serving {server.model_name} ({opts.engine_dir}) at http://{opts.address}:{opts.port}/v1 "
-          f"(up to {opts.max_batch} requests batched)", flush=True)
+          f"(up to {opts.max_batch} requests batched, {opts.limits.max_queue} waiting"
+          f"{'; API key required' if opts.limits.api_key else ''})", flush=True)
     uvicorn.run(server.app(), host=opts.address, port=opts.port, log_level="info")
