@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from whiflash_trt.models import layers
 from whiflash_trt.models.attention import CHUNK, ROW_BLOCK, key_layout, row_invariant_attention
 from whiflash_trt.models.checkpoints import instantiate_target, load_hf_checkpoint
 from whiflash_trt.models.contracts import Segment
@@ -101,16 +102,22 @@ def assert_rows_invariant(model: TargetModel, context_tokens: int, chain_len: in
         assert torch.equal(got[node], want), f"tree node {node} after {context_tokens} context tokens differs"
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-onednn"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-onednn", "llama-widened"])
 def tiny_targets(request, tiny_checkpoint) -> dict[torch.dtype, TargetModel]:
     """The engine's inference layout (instantiate_target fuses the projections: bf16 weights on the engine's kernel
-    where conftest loaded it, fp32 weights input-major); -onednn: bf16 weights prepacked for oneDNN instead. Every
+    where conftest loaded it, fp32 weights input-major); -onednn: bf16 weights without the kernels (prepacked for
+    oneDNN where its bf16 GEMM runs, else widened to fp32); -widened: widened to fp32 whatever the CPU has. Every
     GEMM must keep rows independent of the row count."""
-    arch, _, onednn = request.param.partition("-")
+    arch, _, layout = request.param.partition("-")
+    if layout == "onednn" and not layers.onednn_bf16():
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU: the layout is -widened's")
     ckpt = load_hf_checkpoint(tiny_checkpoint(arch))
     models = {dtype: instantiate_target(ckpt, dtype) for dtype in (torch.bfloat16, torch.float32)}
-    for model in models.values() if onednn else ():
-        model.fuse_projections(use_kernels=False)
+    with pytest.MonkeyPatch.context() as patch:
+        if layout == "widened":
+            patch.setattr(layers, "onednn_bf16", lambda: False)
+        for model in models.values() if layout else ():
+            model.fuse_projections(use_kernels=False)
     return models
 
 
