@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from whiflash_trt.cli import PROMPT_SEPARATOR
 from whiflash_trt.config import GenerationConfig, SpecConfig
@@ -158,3 +159,16 @@ def _with_subparsers(p) -> list:
 
     subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
     return [p] + [sp for a in subs for sp in a.choices.values()]
+
+
+def test_run_names_what_runs_the_linears_in_one_line_and_in_its_json_stats(spec_engine_dir):
+    from whiflash_trt.models.layers import linear_path
+
+    proc = run("--engine", spec_engine_dir, "--prompt", "abc def", "--max-new-tokens", 4, "--json", "--dtype", "bf16")
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("whiflash: linears on ")]
+    assert len(notes) == 1, proc.stderr
+    compute = json.loads(proc.stdout)["stats"]["compute"]
+    assert notes[0] == f"whiflash: linears on {compute}"
+    paths = ("whiflash kernels (", "oneDNN bf16 (", "bf16 widened to fp32 on MKL (")
+    assert compute.startswith(paths), compute
+    assert linear_path(torch.float32).startswith(("whiflash kernels (", "MKL fp32 ("))

@@ -373,6 +373,7 @@ def _run(args) -> int:
                          backend=args.backend)
     spec = engine.resolve_spec(requested)
     _check_options_apply(args, spec.mode)
+    print(f"whiflash: linears on {engine.compute}", file=sys.stderr, flush=True)
     for i, prompt in enumerate(prompts):
         ids = engine.encode(prompt, chat=args.chat, system=args.system)
         printer = _StreamPrinter(engine.decode, tuple(args.stop)) if args.stream else None
@@ -380,7 +381,9 @@ def _run(args) -> int:
             print(PROMPT_SEPARATOR, flush=True)
         result = engine.generate(ids, gen, on_tokens=printer, spec=spec)
         if args.json:
-            print(json.dumps(result.to_json()), flush=True)
+            out = result.to_json()
+            out["stats"]["compute"] = engine.compute
+            print(json.dumps(out), flush=True)
         elif printer is not None:
             printer.finish(result.text)
         else:

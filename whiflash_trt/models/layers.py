@@ -31,6 +31,18 @@ def bf16_linear_path() -> str:
     return "onednn" if onednn_bf16() else "fp32"
 
 
+def linear_path(dtype: torch.dtype) -> str:
+    """What runs a CPU target's linears in `dtype` in this process, and why, in a few words (whiflash-run's note and
+    its --json stats)."""
+    if kernels.registered():
+        return f"whiflash kernels ({kernels.loaded_isa()}, {kernels.gemm()} loop)"
+    if dtype != torch.bfloat16:
+        return "MKL fp32 (whiflash kernels not loaded)"
+    if onednn_bf16():
+        return "oneDNN bf16 (whiflash kernels not loaded)"
+    return "bf16 widened to fp32 on MKL (whiflash kernels not loaded; oneDNN has no bf16 GEMM on this CPU)"
+
+
 # Largest row count of one fp32 GEMM whose rows get the bits of a 2-row call, on every CPU we measured: MKL sums rows
 # of 17-100-row calls in another order on the Intel Xeon (in_features 1536), and of 4-row and larger calls on an AMD
 # EPYC (Zen 4, any shape).

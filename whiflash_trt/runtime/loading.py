@@ -18,6 +18,7 @@ from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
 from whiflash_trt.models.contracts import DFlash, Eagle3, Target
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
+from whiflash_trt.models.layers import linear_path
 from whiflash_trt.runtime.backends import engine_backend, load_graph_models
 from whiflash_trt.spec.router_file import RouterFile, load_router
 
@@ -31,6 +32,7 @@ class EngineParts:
     dflash: DFlash | None = None
     router: RouterFile | None = None
     manifest: Manifest | None = None    # the engine directory's; None for parts loaded from checkpoints
+    compute: str = ""    # what runs the target's linears, in a few words (compute_path); "" where not said
 
 
 def load_tokenizer(engine_dir: Path):
@@ -93,6 +95,16 @@ def checkpoint_parts(target: Target, tokenizer, device: str = "cpu", eagle3: Pat
                        None if router is None else load_router(router, cfg.hidden_size), manifest)
 
 
+def compute_path(backend: str, dtype: torch.dtype, device: str) -> str:
+    """What runs an engine's target linears here (whiflash-run's one-line note and its --json stats)."""
+    if backend in GRAPH_BACKENDS:
+        return f"{backend} graphs"
+    if str(device) != "cpu":
+        return f"torch on {device}"
+    path = linear_path(dtype)
+    return f"compiled step, {path}" if backend == "compiled" else path
+
+
 def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
                backend: str | None = None) -> EngineParts:
     """`backend`: None = the one the engine was built for; "torch" runs the modules of any engine."""
@@ -105,7 +117,8 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
             raise WhiflashError(f"the {backend} graphs were built in {manifest.dtype}; rebuild for {dtype}")
         target, eagle3, dflash = load_graph_models(engine_dir, manifest, backend, device)
         router = None if paths["router"] is None else load_router(paths["router"], manifest.model.hidden_size)
-        return EngineParts(target, load_tokenizer(engine_dir), eagle3, dflash, router, manifest)
+        return EngineParts(target, load_tokenizer(engine_dir), eagle3, dflash, router, manifest,
+                           compute_path(backend, parse_dtype(manifest.dtype), device))
     weights = engine_dir / TARGET_WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"engine {engine_dir} is incomplete: {TARGET_WEIGHTS} is missing")
@@ -129,4 +142,4 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
             entry, drafter = manifest.compiled.get(name), getattr(parts, name)
             if entry is not None and drafter is not None:
                 parts = dataclasses.replace(parts, **{name: wrap(drafter, engine_dir / entry["path"])})
-    return parts
+    return dataclasses.replace(parts, compute=compute_path(backend, torch_dtype, device))
