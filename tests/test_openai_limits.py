@@ -12,14 +12,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from test_openai_server import MODEL, PROMPT, SERVE, STARTUP_TIMEOUT_S, free_port, reference
-from whiflash_trt.serving.readiness import wait_until_ready
+from test_openai_server import MODEL, PROMPT, reference, serving
 
 KEY = "test-key-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -27,29 +25,6 @@ MAX_BODY = 256 * 1024
 MAX_PROMPT_CHARS = 20_000
 MAX_STOP_CHARS = 64
 CHAT_MAX_TOKENS = 8
-
-
-@contextmanager
-def serving(engine_dir: Path, log: Path, *options: str):
-    """A server process on a free loopback port -> its base URL; stopped at exit."""
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(SERVE), "--openai", "--engine", str(engine_dir), "--port", str(port),
-                                 "--threads", "1", "--model-name", MODEL, *options],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        failure = wait_until_ready(proc, f"{url}/health", STARTUP_TIMEOUT_S, log)
-        if failure:
-            pytest.fail(failure)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

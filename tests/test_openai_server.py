@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -36,15 +37,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(spec_engine_dir, tmp_path_factory):
-    """The server's base URL; its log is printed if it fails to start."""
+@contextmanager
+def serving(engine_dir: Path, log: Path, *options: str):
+    """A server process on a free loopback port -> its base URL; stopped at exit."""
     port = free_port()
-    log = tmp_path_factory.mktemp("openai-server") / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(SERVE), "--openai", "--engine", str(spec_engine_dir), "--port", str(port),
-                                 "--threads", "1", "--model-name", MODEL,
-                                 "--kv-budget-mb", str(KV_BUDGET_MB)],
+        proc = subprocess.Popen([str(SERVE), "--openai", "--engine", str(engine_dir), "--port", str(port),
+                                 "--threads", "1", "--model-name", MODEL, *options],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -59,6 +58,14 @@ def server(spec_engine_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(spec_engine_dir, tmp_path_factory):
+    """The server's base URL; its log is printed if it fails to start."""
+    log = tmp_path_factory.mktemp("openai-server") / "server.log"
+    with serving(spec_engine_dir, log, "--kv-budget-mb", str(KV_BUDGET_MB)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
