@@ -373,7 +373,8 @@ def _run(args) -> int:
                          backend=args.backend)
     spec = engine.resolve_spec(requested)
     _check_options_apply(args, spec.mode)
-    print(f"whiflash: linears on {engine.compute}", file=sys.stderr, flush=True)
+    if engine.slow_bf16:   # the one case a user loses the engine's speed without asking for it
+        print(f"whiflash: linears on {engine.compute}", file=sys.stderr, flush=True)
     for i, prompt in enumerate(prompts):
         ids = engine.encode(prompt, chat=args.chat, system=args.system)
         printer = _StreamPrinter(engine.decode, tuple(args.stop)) if args.stream else None

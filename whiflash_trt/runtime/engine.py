@@ -50,7 +50,7 @@ class Engine:
         round costs are measured once per engine and machine and kept in `round_costs_cache` (None: every load)."""
         self.target, self.tokenizer, self.manifest = parts.target, parts.tokenizer, parts.manifest
         self.router_file = parts.router
-        self.compute = parts.compute   # what runs the target's linears (runtime.loading.compute_path)
+        self.compute, self.slow_bf16 = parts.compute, parts.slow_bf16   # runtime.loading.compute_path
         self.device = torch.device(device)
         drafters = {name: m for name, m in ((EAGLE3, parts.eagle3), (DFLASH, parts.dflash)) if m is not None}
         self.kv = KVCache(kv_layouts({"target": self.target.config, **{n: m.config for n, m in drafters.items()}},

@@ -33,6 +33,7 @@ class EngineParts:
     router: RouterFile | None = None
     manifest: Manifest | None = None    # the engine directory's; None for parts loaded from checkpoints
     compute: str = ""    # what runs the target's linears, in a few words (compute_path); "" where not said
+    slow_bf16: bool = False   # a bf16 CPU target without the engine's kernels (whiflash-run says so in one line)
 
 
 def load_tokenizer(engine_dir: Path):
@@ -142,4 +143,5 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
             entry, drafter = manifest.compiled.get(name), getattr(parts, name)
             if entry is not None and drafter is not None:
                 parts = dataclasses.replace(parts, **{name: wrap(drafter, engine_dir / entry["path"])})
-    return dataclasses.replace(parts, compute=compute_path(backend, torch_dtype, device))
+    slow_bf16 = device == "cpu" and torch_dtype == torch.bfloat16 and not kernels.registered()
+    return dataclasses.replace(parts, compute=compute_path(backend, torch_dtype, device), slow_bf16=slow_bf16)
