@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, SpecConfig
 from whiflash_trt.errors import SpecError
-from whiflash_trt.runtime.drafters import Proposer
-from whiflash_trt.spec.router import Router
+
+if TYPE_CHECKING:   # annotations only: the front ends import the rule without the models
+    from whiflash_trt.runtime.drafters import Proposer
+    from whiflash_trt.spec.router import Router
 
 ROUTING = ("router", "threshold", "catch_up")   # whiflash mode only
 EAGLE3_TREE = ("tree_top_k", "tree_depth", "tree_total_tokens", "tree_min_prob")   # SpecConfig.tree
