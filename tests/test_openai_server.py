@@ -219,6 +219,7 @@ BAD_REQUESTS = [
     ("completions", {"mode": "turbo"}, 400, "mode"),
     ("completions", {"router": "magic"}, 400, "router"),
     ("completions", {"mode": "ar", "threshold": 0.5}, 400, "threshold"),
+    ("completions", {"mode": "eagle3", "router": "entropy", "threshold": 0.5}, 400, "router"),
     ("completions", {"seed": "abc"}, 400, "seed"),
     ("completions", {"stop": 5}, 400, "stop"),
     ("completions", {"stop": [""]}, 400, "stop"),

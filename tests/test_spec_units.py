@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from whiflash_trt.config import GenerationConfig, SpecConfig, TreeConfig
-from whiflash_trt.errors import WhiflashError
+from whiflash_trt.errors import SpecError
 from whiflash_trt.spec.router import EntropyRouter, NeuralRouter, RouterMLP, RouteSignal, entropy_of
 from whiflash_trt.spec.tree import DraftTree, select_nodes
 from whiflash_trt.spec.verify import verify_greedy
@@ -117,9 +117,10 @@ def test_neural_router_without_weights_is_a_clear_error(spec_engine):
     saved = spec_engine.router_file
     spec_engine.router_file = None
     try:
-        with pytest.raises(WhiflashError, match="--router neural needs router weights"):
+        with pytest.raises(SpecError, match="^router neural needs router weights") as raised:
             spec_engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=2),
                                  spec=SpecConfig(mode="whiflash", router="neural"))
+        assert raised.value.param == "router"
     finally:
         spec_engine.router_file = saved
 
@@ -128,8 +129,9 @@ def test_mode_without_its_drafter_is_a_clear_error(spec_engine):
     saved = dict(spec_engine.proposers)
     del spec_engine.proposers["dflash"]
     try:
-        with pytest.raises(WhiflashError, match="needs the dflash drafter.*--dllm-drafter"):
+        with pytest.raises(SpecError, match="needs the dflash drafter.*--dllm-drafter") as raised:
             spec_engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=2), spec=SpecConfig(mode="whiflash"))
+        assert raised.value.param == "mode"
     finally:
         spec_engine.proposers.update(saved)
 

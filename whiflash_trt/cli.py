@@ -7,15 +7,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, DFLASH, EAGLE3, MODE_DRAFTERS, MODES, ROUTERS, WHIFLASH,
-                                 CacheConfig, DFlashTreeConfig, GenerationConfig, SamplingConfig, SpecConfig,
-                                 TreeConfig)
+from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, DFLASH, EAGLE3, MODES, ROUTERS, CacheConfig,
+                                 DFlashTreeConfig, GenerationConfig, SamplingConfig, SpecConfig, TreeConfig)
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
-from whiflash_trt.errors import WhiflashError
+from whiflash_trt.errors import SpecError, WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.prompt_lines import parse_prompt_lines
 from whiflash_trt.runtime.device import check_device, default_threads, set_threads
 from whiflash_trt.runtime.kv_cache import KVCacheExhausted
+from whiflash_trt.runtime.plan import PARAMS
 from whiflash_trt.runtime.text_stream import TextStream
 from whiflash_trt.runtime.tree_defaults import DEFAULT_NODES_HELP
 
@@ -316,8 +316,15 @@ def run_main(argv: list[str] | None = None) -> int:
         return _run(args)
     except KVCacheExhausted as e:
         return _fail(f"{e}; run with --kv-budget-mb {e.needed_mb} or more")
+    except SpecError as e:
+        return _fail(e.spelled(_flag))
     except (WhiflashError, ValueError) as e:
         return _fail(str(e))
+
+
+def _flag(param: str) -> str:
+    """whiflash-run's flag of a speculation setting (runtime.plan.PARAMS): its neutral name with dashes."""
+    return "--" + param.replace("_", "-")
 
 
 def _requested_spec(args) -> SpecConfig:
@@ -337,25 +344,10 @@ def _requested_spec(args) -> SpecConfig:
                       dflash_tree=DFlashTreeConfig(**dflash_tree))
 
 
-def _check_options_apply(args, mode: str) -> None:
-    """Options that the resolved mode would silently ignore are an error instead."""
-    routing = [f for f, given in (("--router", args.router != AUTO), ("--threshold", args.threshold is not None),
-                                  ("--catch-up", args.catch_up is not None)) if given]
-    if routing and mode != WHIFLASH:
-        raise WhiflashError(f"{', '.join(routing)} {_verb(routing)} only to --mode whiflash; this run's mode is {mode}")
-    tree = [f"--{k.replace('_', '-')}" for k in ("tree_top_k", "tree_depth", "tree_total_tokens", "tree_min_prob")
-            if getattr(args, k) is not None]
-    if tree and EAGLE3 not in MODE_DRAFTERS[mode]:
-        raise WhiflashError(f"{', '.join(tree)} {_verb(tree)} only to the EAGLE-3 drafter; this run's mode is {mode}")
-    dflash_tree = [f"--{k.replace('_', '-')}" for k in ("dflash_tree_total_tokens", "dflash_tree_top_k",
-                                                         "dflash_tree_min_prob") if getattr(args, k) is not None]
-    if dflash_tree and DFLASH not in MODE_DRAFTERS[mode]:
-        raise WhiflashError(f"{', '.join(dflash_tree)} {_verb(dflash_tree)} only to the DFlash drafter; this run's "
-                            f"mode is {mode}")
-
-
-def _verb(options: list[str]) -> str:
-    return "applies" if len(options) == 1 else "apply"
+def _given(args) -> list[str]:
+    """The speculation settings the command line names (argparse keeps each under its neutral name)."""
+    defaults = {"mode": AUTO, "router": AUTO}
+    return [p for p in PARAMS if getattr(args, p) != defaults.get(p)]
 
 
 def _run(args) -> int:
@@ -371,16 +363,16 @@ def _run(args) -> int:
     engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
     engine = Engine.load(engine_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=args.kv_budget_mb * 2**20,
                          backend=args.backend)
-    spec = engine.resolve_spec(requested)
-    _check_options_apply(args, spec.mode)
+    first = engine.plan(requested, given=_given(args))   # every prompt's settings, checked before any output
     if engine.slow_bf16:   # the one case a user loses the engine's speed without asking for it
         print(f"whiflash: linears on {engine.compute}", file=sys.stderr, flush=True)
     for i, prompt in enumerate(prompts):
+        plan = first if i == 0 else engine.plan(first.spec)   # one plan per request: its router's state is its own
         ids = engine.encode(prompt, chat=args.chat, system=args.system)
         printer = _StreamPrinter(engine.decode, tuple(args.stop)) if args.stream else None
         if i and not args.json:
             print(PROMPT_SEPARATOR, flush=True)
-        result = engine.generate(ids, gen, on_tokens=printer, spec=spec)
+        result = engine.generate(ids, gen, on_tokens=printer, spec=plan)
         if args.json:
             out = result.to_json()
             out["stats"]["compute"] = engine.compute

@@ -64,18 +64,17 @@ class BenchOptions:
 
 
 def resolve_modes(engine, opts: BenchOptions) -> list[BenchMode]:
-    """Base modes, then sweep points; each checked against the engine (drafters and router present)."""
+    """Base modes, each checked by planning it (Engine.plan raises SpecError naming a drafter or router weights the
+    engine lacks), then sweep points around each routed mode's default threshold (only the threshold differs, so
+    they hold when their base does). The runs plan their own requests."""
     modes = [base_mode(name, opts.spec) for name in opts.modes]
+    plans = [engine.plan(m.spec) for m in modes]
     if opts.threshold_sweep:
         lists = {"entropy": opts.entropy_thresholds, "neural": opts.neural_thresholds}
-        for m in list(modes):
+        for m, plan in zip(list(modes), plans):
             if m.spec.mode == WHIFLASH:
-                default = engine.router_for(m.spec).threshold
-                modes += sweep_points(m, default, None if lists[m.spec.router] is None
-                                      else list(lists[m.spec.router]))
-    for m in modes:
-        engine.proposers_for(m.spec)   # raise WhiflashError naming the missing drafter / router
-        engine.router_for(m.spec)
+                given = lists[m.spec.router]
+                modes += sweep_points(m, plan.router.threshold, None if given is None else list(given))
     return modes
 
 

@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +23,12 @@ import torch
 from whiflash_trt import kernels
 from whiflash_trt.config import (DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, CacheConfig, DFlashTreeConfig,
                                  GenerationConfig, SpecConfig, TreeConfig)
-from whiflash_trt.errors import WhiflashError
+from whiflash_trt.errors import SpecError, WhiflashError
 from whiflash_trt.models.contracts import TargetOutput
 from whiflash_trt.runtime.drafters import PROPOSERS, Proposer
 from whiflash_trt.runtime.kv_cache import KVCache, kv_layouts
 from whiflash_trt.runtime.loading import EngineParts, load_parts
+from whiflash_trt.runtime.plan import Plan, check_options_apply
 from whiflash_trt.runtime import tokenizer_policy
 from whiflash_trt.runtime.policy import resolve_spec
 from whiflash_trt.runtime.request import GenerationResult, Request
@@ -125,24 +126,34 @@ class Engine:
         """`spec` (default: all "auto") with auto mode/router resolved to what this engine holds (runtime.policy)."""
         return resolve_spec(spec or SpecConfig(), set(self.proposers), self.router_file is not None)
 
+    def plan(self, spec: SpecConfig | None = None, given: Collection[str] = ()) -> Plan:
+        """One request's plan (runtime.plan): `spec` resolved, its drafters and router built, checked once. `given`
+        names the settings the request set explicitly (runtime.plan.PARAMS); one its mode would ignore is a
+        SpecError, as is a mode or router this engine cannot run."""
+        spec = self.resolve_spec(spec)
+        check_options_apply(spec.mode, given)
+        return Plan(spec, self.proposers_for(spec), self.router_for(spec))
+
     def proposers_for(self, spec: SpecConfig) -> dict[str, Proposer]:
         """The drafters `spec.mode` runs, each shaped by its tree settings (`spec.tree`, `spec.dflash_tree`)."""
         needed = MODE_DRAFTERS[spec.mode]
         missing = [n for n in needed if n not in self.proposers]
         if missing:
             flag = {EAGLE3: "--ar-drafter", DFLASH: "--dllm-drafter"}
-            raise WhiflashError(f"mode {spec.mode!r} needs the {' and '.join(missing)} drafter, which this engine "
-                                f"does not have; rebuild it with " + " ".join(f"{flag[m]} PATH" for m in missing))
+            raise SpecError(("mode",), f"{{mode}} {spec.mode} needs the {' and '.join(missing)} drafter, which this "
+                            f"engine does not have; rebuild it with whiflash-build "
+                            + " ".join(f"{flag[m]} PATH" for m in missing))
         return {n: self.proposers[n].for_spec(spec) for n in needed}
 
     def router_for(self, spec: SpecConfig) -> Router | None:
+        """The router of a resolved whiflash `spec` (None in the other modes); it keeps one request's state."""
         if spec.mode != WHIFLASH:
             return None
         if spec.router == "neural":
             if self.router_file is None:
-                raise WhiflashError("--router neural needs router weights, and this engine has none; rebuild it "
-                                    "with --router PATH (train them with whiflash-train router), or use --router "
-                                    "entropy")
+                raise SpecError(("router",), "{router} neural needs router weights, and this engine has none; "
+                                "rebuild it with whiflash-build --router PATH (train them with whiflash-train "
+                                "router), or use {router} entropy")
             f = self.router_file
             threshold = f.threshold if spec.threshold is None else spec.threshold
             if f.version == 1:
@@ -188,10 +199,11 @@ class Engine:
     # ----- generation --------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], gen: GenerationConfig,
                  on_tokens: Callable[[list[int]], None] | None = None,
-                 spec: SpecConfig | None = None) -> GenerationResult:
-        """Generate with the mode in `spec` (default: the engine's own, see resolve_spec). Greedy output equals
-        target-only output token for token; sampled output has the target's distribution. `on_tokens` receives each
-        round's newly final tokens (streaming). A batch of one (runtime.batch runs many)."""
+                 spec: SpecConfig | Plan | None = None) -> GenerationResult:
+        """Generate with the mode in `spec` (a Plan, or the settings it is planned from; default: the engine's own,
+        see resolve_spec). Greedy output equals target-only output token for token; sampled output has the target's
+        distribution. `on_tokens` receives each round's newly final tokens (streaming). A batch of one
+        (runtime.batch runs many)."""
         from whiflash_trt.runtime.batch import Batch
 
         batch = Batch(self)
@@ -199,11 +211,11 @@ class Engine:
         batch.run()
         return req.result()
 
-    def request(self, prompt_ids: list[int], gen: GenerationConfig, spec: SpecConfig | None = None,
+    def request(self, prompt_ids: list[int], gen: GenerationConfig, spec: SpecConfig | Plan | None = None,
                 on_tokens: Callable[[list[int]], None] | None = None) -> Request:
-        """A checked prompt's state before prefill (nothing allocated yet)."""
-        spec = self.resolve_spec(spec)
-        proposers, router = self.proposers_for(spec), self.router_for(spec)
+        """A checked prompt's state before prefill (nothing allocated yet). `spec` is this request's Plan, or the
+        settings it is planned from (self.plan)."""
+        plan = spec if isinstance(spec, Plan) else self.plan(spec)
         max_pos, vocab = self.target.config.max_position_embeddings, self.target.config.vocab_size
         if not prompt_ids:
             raise WhiflashError("prompt is empty")
@@ -215,7 +227,7 @@ class Engine:
         generator.manual_seed(gen.sampling.seed if gen.sampling.seed is not None else torch.seed())
         stopper = StopChecker(gen, self.eos_ids, self.decode, max_pos - len(prompt_ids))
         seq = Sequence(prompt_ids, self.kv.allocator, self.kv.block_size)
-        return Request(seq, gen, spec, proposers, router, generator, stopper, on_tokens)
+        return Request(seq, gen, plan.spec, plan.proposers, plan.router, generator, stopper, on_tokens)
 
     def slots_needed(self, req: Request) -> int:
         """KV slots `req` can ever use: a round starts with at most prompt + limit - 2 tokens committed (the output,

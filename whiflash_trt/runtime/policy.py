@@ -1,5 +1,5 @@
 """The engine's default policy: what "auto" means for the drafters and router weights an engine holds. Every front
-end (whiflash-run, whiflash-bench, the Triton model, the Python API) gets it through Engine.resolve_spec."""
+end (whiflash-run, whiflash-bench, the Triton model, the Python API) gets it through Engine.plan."""
 from __future__ import annotations
 
 from dataclasses import replace

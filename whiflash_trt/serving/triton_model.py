@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 from whiflash_trt.config import GenerationConfig, SamplingConfig, SpecConfig
 from whiflash_trt.runtime.device import default_threads
 from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.runtime.plan import Plan
 from whiflash_trt.serving.scheduler import BatchScheduler, Request, RequestCancelled
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -32,10 +33,12 @@ def _input(request, name: str, default=None):
     return value.decode("utf-8") if isinstance(value, bytes) else value.item()
 
 
-def _spec_config(request) -> SpecConfig | None:
-    """None when the request names no speculation setting: the engine then uses its own default."""
+def _plan(request, engine: Engine) -> Plan:
+    """The request's speculation settings planned by `engine` (its own default for those it leaves out). One that the
+    resolved mode would ignore, or a mode or router the engine cannot run, raises SpecError, which `execute` answers
+    with an error response; SpecError's neutral names are these inputs' names."""
     given = {k: v for k, v in ((k, _input(request, k)) for k in ("mode", "router", "threshold")) if v is not None}
-    return SpecConfig(**given) if given else None
+    return engine.plan(SpecConfig(**given), given=given)
 
 
 def _generation_config(request) -> GenerationConfig:
@@ -144,4 +147,4 @@ class TritonPythonModel:
             raise ValueError("text_input is required")
         gen = _generation_config(request)
         sink = Responses(sender, self.engine.decode, bool(_input(request, "stream", False)))
-        return Request(self.engine.encode(prompt), gen, _spec_config(request), sink)
+        return Request(self.engine.encode(prompt), gen, _plan(request, self.engine), sink)

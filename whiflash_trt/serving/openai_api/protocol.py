@@ -2,7 +2,7 @@
 
 A body is read field by field with exact types (JSON true is not an integer), so every bad value becomes a 400 that
 names the field, before anything is queued. WhiFlash's extras are optional top-level fields: `mode`, `router`,
-`threshold` (absent: the engine's default via Engine.resolve_spec), `top_k` and `ignore_eos`.
+`threshold` (absent: the engine's default, planned by Engine.plan), `top_k` and `ignore_eos`.
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from whiflash_trt.config import AUTO, MODES, ROUTERS, GenerationConfig, SamplingConfig, SpecConfig
-from whiflash_trt.errors import WhiflashError
+from whiflash_trt.errors import SpecError, WhiflashError
 from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.runtime.plan import Plan
 from whiflash_trt.serving.openai_api.limits import ServerLimits
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; chat's is ServerLimits.chat_max_tokens
@@ -44,7 +45,7 @@ class ParsedRequest:
     """A validated /v1/completions or /v1/chat/completions body."""
     prompt_ids: list[int]
     gen: GenerationConfig
-    spec: SpecConfig          # resolved: concrete mode and router
+    spec: Plan                # this request's Engine.plan: the spec resolved, its drafters and router built
     stream: bool
     include_usage: bool       # stream_options.include_usage: a final chunk carrying `usage`
 
@@ -120,25 +121,19 @@ def _check_unsupported(body: dict) -> None:
             raise APIError(f"{name}={value!r} is not supported by this server", param=name, code="unsupported")
 
 
-def _spec(body: dict, engine: Engine) -> SpecConfig:
-    """The WhiFlash extras, resolved by the engine; one that does not apply to the resolved mode is an error."""
+def _plan(body: dict, engine: Engine) -> Plan:
+    """The WhiFlash extras planned by the engine: one that its resolved mode would ignore, or a mode or router this
+    engine cannot run, is a 400 naming it (SpecError's neutral names are these fields' names)."""
     given = {"mode": _string(body, "mode"), "router": _string(body, "router"),
              "threshold": _number(body, "threshold", None)}
     given = {k: v for k, v in given.items() if v is not None}
     for name, allowed in (("mode", (AUTO, *MODES)), ("router", (AUTO, *ROUTERS))):
         if name in given and given[name] not in allowed:
             raise APIError(f"unknown {name} {given[name]!r}; expected one of {', '.join(allowed)}", param=name)
-    spec = engine.resolve_spec(SpecConfig(**given))
-    routing = [k for k in ("router", "threshold") if k in given]
-    if routing and spec.mode != "whiflash":
-        raise APIError(f"{' and '.join(routing)} apply only to mode 'whiflash'; this request's mode is "
-                       f"{spec.mode!r}", param=routing[0])
-    for param, check in (("mode", engine.proposers_for), ("router", engine.router_for)):
-        try:
-            check(spec)
-        except WhiflashError as e:   # a mode whose drafter, or a router whose weights, this engine lacks
-            raise APIError(str(e), param=param) from None
-    return spec
+    try:
+        return engine.plan(SpecConfig(**given), given=given)
+    except SpecError as e:
+        raise APIError(str(e), param=e.param) from None
 
 
 def _generation(body: dict, prompt_len: int, context: int, default_max_tokens: int,
@@ -188,7 +183,7 @@ def _parse(body: dict, engine: Engine, prompt_ids: list[int], param: str, defaul
                        param=param, code="context_length_exceeded")
     gen = _generation(body, len(prompt_ids), context, default_max_tokens, limits)
     stream, include_usage = _stream_options(body)
-    return ParsedRequest(prompt_ids, gen, _spec(body, engine), stream, include_usage)
+    return ParsedRequest(prompt_ids, gen, _plan(body, engine), stream, include_usage)
 
 
 def _checked_body(body: Any, served: str) -> dict:
