@@ -18,6 +18,7 @@ from whiflash_trt.config import GenerationConfig, SpecConfig
 from whiflash_trt.runtime.device import set_threads
 from whiflash_trt.runtime.batch import Batch
 from whiflash_trt.runtime.engine import Engine
+from whiflash_trt.runtime.plan import Plan
 from whiflash_trt.runtime.request import GenerationResult
 from whiflash_trt.runtime.request import Request as EngineRequest
 
@@ -44,7 +45,8 @@ class Request:
     """One generation request, validated: the prompt's token ids and the settings the engine runs it with."""
     prompt_ids: list[int]
     gen: GenerationConfig
-    spec: SpecConfig | None   # None: the engine's default (Engine.resolve_spec)
+    spec: Plan | SpecConfig | None   # the front end's Engine.plan; a spec or None (the engine's default) is
+                                     # planned when the request starts
     sink: RequestSink
     cancel_event: threading.Event = field(default_factory=threading.Event)
 
