@@ -4,6 +4,7 @@ lossless verification needs); the loop a process runs is chosen once per CPU."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -687,3 +688,112 @@ print("exported", len(program.graph.nodes))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "exported" in out.stdout, out.stderr[-2000:]
+
+
+AVX2_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
+AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512vl avx512dq avx512cd"
+AMX_FLAGS = AVX512_FLAGS + " avx512_bf16 amx_tile amx_bf16 amx_int8"
+
+
+@pytest.mark.parametrize("flags,best", [("fpu sse2 avx", None), (AVX2_FLAGS, "avx2"),
+                                        (AVX2_FLAGS + " avx512f avx512cd", "avx2"), (AVX512_FLAGS, "avx512"),
+                                        (AVX512_FLAGS + " avx512_bf16", "avx512bf16"), (AMX_FLAGS, "amx")])
+def test_the_isa_is_the_best_the_cpu_flags_give(monkeypatch, flags, best):
+    monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field: flags if field == "flags" else "")
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    assert kernels.isa() == best
+    assert kernels.cpu_supported() == (best is not None)
+    assert kernels.cpu.cpu_isas() == (kernels.ISAS[:kernels.ISAS.index(best) + 1] if best else ())
+
+
+def test_whiflash_isa_forces_a_lower_isa_and_refuses_a_higher_one(monkeypatch):
+    monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field: AVX512_FLAGS if field == "flags" else "")
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert kernels.isa() == "avx2" and kernels.build.build_for() == "avx2"
+    for higher in ("avx512bf16", "amx"):
+        monkeypatch.setenv(kernels.ISA_ENV, higher)
+        with pytest.raises(ValueError, match=f"{kernels.ISA_ENV}={higher} but this CPU runs only"):
+            kernels.isa()
+    monkeypatch.setenv(kernels.ISA_ENV, "sse4")
+    with pytest.raises(ValueError, match="must be one of"):
+        kernels.isa()
+
+
+def test_each_isa_has_its_own_library_version(monkeypatch):
+    monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field: AMX_FLAGS if field == "flags" else "")
+    versions = {isa: kernels.build.version(isa) for isa in kernels.ISAS}
+    assert versions["amx"] == versions["avx512bf16"]   # one build, the AMX loop chosen at run time
+    assert len({versions["avx2"], versions["avx512"], versions["avx512bf16"]}) == 3
+    assert all(v.startswith(kernels.build.BUILD_OF_ISA[isa]) for isa, v in versions.items())
+
+
+def test_onednn_bf16_is_supported_only_with_avx512_bw_vl_dq_or_avx_ne_convert(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for flags, supported in ((AVX2_FLAGS, False), (AVX2_FLAGS + " avx512f avx512bw avx512vl", False),
+                             (AVX512_FLAGS, True), (AVX2_FLAGS + " avx_ne_convert", True)):
+        monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field, flags=flags: flags if field == "flags" else "")
+        assert kernels.onednn_bf16_supported() == supported, flags
+
+
+def test_the_loaded_library_is_the_build_of_this_isa(tmp_path):
+    library = kernels.build.DEFAULT_CACHE / kernels.version() / kernels.LIBRARY
+    assert kernels.loaded_isa() == kernels.isa()
+    assert kernels.build.library_build(library) == kernels.build.build_for()
+    assert kernels.build.intact(library)
+    other = next(b for b in kernels.build.BUILD_FLAGS if b != kernels.build.build_for())
+    foreign = tmp_path / kernels.LIBRARY
+    foreign.write_bytes(b"\x7fELF" + kernels.build.MARKER + other.encode() + b"\0rest")
+    assert not kernels.load(foreign)   # another build's instructions: not loaded
+    foreign.write_bytes(b"\x7fELF no marker")
+    assert not kernels.load(foreign)
+
+
+def test_a_truncated_library_in_the_cache_is_rebuilt_not_loaded(tmp_path):
+    """The cached library's bytes are checked against its sha256 before it is used: a truncated one is rebuilt (with
+    a line saying so), and a build folder left by a killed build (its cpp_extension lock held) does not block it.
+    In a process of its own (a process holds one library)."""
+    source = kernels.build.DEFAULT_CACHE / kernels.version()
+    cached = tmp_path / kernels.version()
+    cached.mkdir()
+    whole = (source / kernels.LIBRARY).read_bytes()
+    (cached / kernels.LIBRARY).write_bytes(whole[:len(whole) // 3])
+    (cached / (kernels.LIBRARY + ".sha256")).write_text(kernels.build.sha256_of(source / kernels.LIBRARY))
+    stale = cached / "build-1-deadbeef"
+    stale.mkdir()
+    (stale / "lock").write_text("")
+    (cached / "build").mkdir()
+    (cached / "build" / "lock").write_text("")   # where a single shared build folder would hold its lock
+    script = f"""
+from pathlib import Path
+from whiflash_trt import kernels
+library = kernels.compile_library(Path({str(tmp_path)!r}))
+assert kernels.load(library) and kernels.registered()
+print("built", library)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
+    assert "does not match its sha256; rebuilding" in out.stderr
+    rebuilt = cached / kernels.LIBRARY
+    assert kernels.build.intact(rebuilt) and rebuilt.stat().st_size > len(whole) // 3
+    assert not list(cached.glob(".*.tmp"))   # the temporary names renamed into place
+    assert sorted(p.name for p in cached.glob("build*")) == ["build", "build-1-deadbeef"]   # its own build folder gone
+
+
+OTHER_ISAS = [isa for isa in kernels.ISAS if kernels.build.BUILD_OF_ISA.get(isa) and isa != kernels.isa()]
+
+
+@pytest.mark.parametrize("isa", OTHER_ISAS)
+def test_the_kernel_tests_pass_on_every_other_isa_this_cpu_runs(isa):
+    """This module's tests for each ISA the CPU runs besides this process's (the row invariance, bit-exactness and
+    torch comparisons of every build: avx2 and avx512 on an AVX-512 machine), each in a process with WHIFLASH_ISA
+    set (a process holds one library)."""
+    if isa not in kernels.cpu.cpu_isas():
+        pytest.skip(f"this CPU lacks {isa} ({' '.join(kernels.cpu.ISA_FLAGS[isa])})")
+    env = {**os.environ, kernels.ISA_ENV: isa}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "not every_other_isa and not truncated_library"], capture_output=True, text=True,
+                         env=env, timeout=3000)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout

@@ -96,6 +96,20 @@ def intact(library: Path) -> bool:
         return False
 
 
+def unbuildable_reason() -> str | None:
+    """Why this process cannot build and load its ISA's library here (None: it can)."""
+    if cpu.isa() is None:
+        return "this CPU lacks AVX2 and FMA (the kernels' lowest instruction set)"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (install g++, e.g. apt-get install g++)"
+    return None
+
+
+def can_build() -> bool:
+    """This process can build its ISA's library here and load it (the CPU runs an ISA, a C++ compiler is found)."""
+    return unbuildable_reason() is None
+
+
 def compile_library(cache_dir: Path, isa: str | None = None) -> Path:
     """The kernel library of `isa` (default: this process's) for this source and torch, compiled into
     cache_dir/<version>/ unless an intact one is there (~1-2 min on 2 cores). The build loads it into this process
@@ -109,8 +123,9 @@ def compile_library(cache_dir: Path, isa: str | None = None) -> Path:
             return library
         print(f"whiflash: the cached kernel library {library} does not match its sha256; rebuilding it",
               file=sys.stderr)
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise KernelBuildError("no C++ compiler (install g++, e.g. apt-get install g++)")
+    reason = unbuildable_reason()
+    if reason is not None:
+        raise KernelBuildError(reason)
     from torch.utils import cpp_extension
 
     work = out / f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -58,11 +58,11 @@ def load(library: Path, cache_dir: Path | None = DEFAULT_CACHE) -> bool:
     isa = cpu.isa()
     if isa is None:
         return False
+    built_as = build.library_build(Path(library))
+    if built_as != build.BUILD_OF_ISA[isa]:
+        report_unavailable(f"{library} is a build for {built_as or 'no known ISA'}, this process runs {isa}")
+        return False
     if not registered():   # compile_library's build loads it too
-        built_as = build.library_build(Path(library))
-        if built_as != build.BUILD_OF_ISA[isa]:
-            report_unavailable(f"{library} is a build for {built_as or 'no known ISA'}, this process runs {isa}")
-            return False
         torch.ops.load_library(str(library))
     _loaded_isa = isa
     _global_symbols()
