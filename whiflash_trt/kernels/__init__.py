@@ -40,8 +40,8 @@ from whiflash_trt.kernels.ops import (BLOCK, C_SHIMS, GEMM_ENV, GEMM_VARIANTS, a
                                       version)
 
 __all__ = ["BLOCK", "C_SHIMS", "DEFAULT_CACHE", "GEMM_ENV", "GEMM_VARIANTS", "ISAS", "ISA_ENV", "LIBRARY",
-           "KernelBuildError", "argmax_rows", "available_gemms", "c_shims", "can_build", "choose_gemm", "compile_library",
-           "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "int8_layers_pay", "isa",
-           "kv_prefill", "linear", "linear_norm", "load", "loaded_isa", "measure_gemm", "onednn_bf16_supported",
+           "KernelBuildError", "argmax_rows", "available_gemms", "c_shims", "can_build", "choose_gemm",
+           "compile_library", "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "int8_layers_pay",
+           "isa", "kv_prefill", "linear", "linear_norm", "load", "loaded_isa", "measure_gemm", "onednn_bf16_supported",
            "pack_gate_up", "pack_int8", "pack_weight", "paged_attention", "registered", "report_unavailable",
            "set_gemm", "supports", "swiglu", "topk_rows", "version"]

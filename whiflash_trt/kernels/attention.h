@@ -47,9 +47,9 @@ inline void rope_head(const T* x, const T* cos, const T* sin, int64_t dim, T* ou
   }
 }
 
-// A run's weights p_j = exp(s_j - top) for keys [0, n), kLanes at a time, and their sum (kLanes lanes, reduced once). With
-// `bf16`, p rounded to bf16 goes there and the sum adds the rounded p (bf16 may lie over s: 2 bytes a key, written
-// behind the 4 still to read); without, p replaces s.
+// A run's weights p_j = exp(s_j - top) for keys [0, n), kLanes at a time, and their sum (kLanes lanes, reduced
+// once). With `bf16`, p rounded to bf16 goes there and the sum adds the rounded p (bf16 may lie over s: 2 bytes a
+// key, written behind the 4 still to read); without, p replaces s.
 inline float exp_weights(float* s, int64_t n, float top, uint16_t* bf16) {
   Vec sums = Vec::zero();
   const Vec shift = Vec::all(top);

@@ -1,4 +1,4 @@
-// whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX-512 BF16 CPUs;
+// whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX2 and AVX-512 CPUs;
 // whiflash::linear_norm_bf16: the same GEMM with a decoder layer's residual add and RMSNorm before it and SwiGLU
 // after it (rows.h), over a bf16 weight or an int8 one quantised per output row (a drafter's layers);
 // whiflash::linear_i8: the few-row GEMM over such an int8 weight (a drafter's LM head; i8_rows below).
@@ -8,15 +8,17 @@
 // SmolLM2's linears took 16.3 ms at 1 row and 43 ms at 16 rows with oneDNN, about 13 and 30 ms here). This one reads
 // each weight once per call for up to 6 rows, and from cache for more.
 //
-// Three inner loops (whiflash::set_gemm_variant; kernels/__init__.py picks the fastest one the CPU has, once per
-// process):
-// - FMA (0): each bf16 pair widened to fp32 (exact), x[m, 2k] * W[n, 2k] and then x[m, 2k+1] * W[n, 2k+1] added with
-//   fp32 FMAs. The faster one where VDPBF16PS is slow (the Xeon above: 1.3 G/s per core against 5.3 G/s of FMAs).
-// - DOT (1): one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in fp32) added to the lane
+// Three inner loops (whiflash::set_gemm_variant; kernels/ops.py picks the fastest one the process's ISA has, once
+// per process):
+// - FMA (0), every build, written over simd.h's Vec: each bf16 pair widened to fp32 (exact), x[m, 2k] * W[n, 2k] and
+//   then x[m, 2k+1] * W[n, 2k+1] added with fp32 FMAs. The faster one where VDPBF16PS is slow (the Xeon above: 1.3
+//   G/s per core against 5.3 G/s of FMAs), the only one on AVX2.
+// - DOT (1), AVX-512 BF16 builds: one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in fp32) added to the lane
 //   as the hardware does it (Intel documents odd then even, round to nearest, denormals flushed). Twice the
 //   multiply-adds per instruction and no widening: on an AMD EPYC (Zen 4, 2 threads) SmolLM2's linears took 14.2
 //   against 22.6 ms at 16 rows, 8.7 against 9.8 ms at 6, and as long at 1-4 rows (memory-bound).
-// - AMX (2): tiles of up to 16 rows, TDPBF16PS on the same packed weight (amx_block below), on CPUs with AMX-BF16.
+// - AMX (2), AVX-512 BF16 builds on CPUs with AMX-BF16: tiles of up to 16 rows, TDPBF16PS on the same packed weight
+//   (amx_block below).
 //   On an Intel Xeon with AMX (2 threads, SmolLM2's 121 linears plus its LM head, the loops alternated in one
 //   process): 9.4 against 19.8 ms (FMA) at 16 rows, 8.7-9.4 against 11.1-11.9 ms at 6, and 1.04x FMA's time at one
 //   row (memory-bound; the two-block walk below has no AMX counterpart: eight tiles hold one block's four sums).
@@ -41,6 +43,9 @@
 // 9.75 ms (7.3 at 1 row), two requests decoding in one batch 1.039x the tokens/s. Not the FMA loop (9.22 and 9.63
 // against 9.18 and 9.16 ms: its 2 widened weights per pair leave too few registers), nor 4-6 rows as two passes
 // over half of each block's outputs (the second from cache; 11.5-11.8 against 8.4-8.5 ms).
+//
+// On AVX2 (16 ymm) a block's 64 outputs are 8 vectors: a pass holds them all for one row, and for more rows walks the
+// block in 2 or 4 passes over a part of its outputs each (pass_vecs), every weight line still read once per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

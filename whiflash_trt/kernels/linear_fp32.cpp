@@ -1,7 +1,7 @@
 // whiflash::linear_fp32: y = x W^T (+ bias) for fp32 x [M, K] and an fp32 weight W [N, K], on AVX2 and AVX-512
-// CPUs (simd.h): the fp32 engine's GEMM. MKL sums a row of an fp32 GEMM in an order that depends on the row count, differently per
-// CPU (the Intel Xeon: 17+ rows differ from 2-16; an AMD EPYC Zen 4: 4+ rows differ from 1-3), so a verify row
-// would not equal its decode row; this one fixes the order.
+// CPUs (simd.h): the fp32 engine's GEMM. MKL sums a row of an fp32 GEMM in an order that depends on the row count,
+// differently per CPU (the Intel Xeon: 17+ rows differ from 2-16; an AMD EPYC Zen 4: 4+ rows differ from 1-3), so a
+// verify row would not equal its decode row; this one fixes the order.
 //
 // Row invariance by construction: every output y[m, n] is one fp32 accumulator lane that adds x[m, k] * W[n, k]
 // with fp32 FMAs for k = 0, 1, ... in order, then the bias. Nothing depends on M, on the row's place in the call or

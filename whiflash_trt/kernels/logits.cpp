@@ -129,7 +129,8 @@ std::pair<float, int64_t> argmax_in(const T* z, int64_t begin, int64_t end) {
   best.store(value);
   where.store(at);
   std::pair<float, int64_t> chosen{-INFINITY, -1};
-  for (int lane = 0; lane < kLanes; ++lane) chosen = better(chosen, {value[lane], value[lane] > -INFINITY ? at[lane] : -1});
+  for (int lane = 0; lane < kLanes; ++lane)
+    chosen = better(chosen, {value[lane], value[lane] > -INFINITY ? at[lane] : -1});
   return chosen;
 }
 

@@ -5,15 +5,17 @@
 // the pool, q as each task reads it on the AMX path and into a copy on the other.
 //
 // Two paths: bf16 heads of a multiple of 64 dims in a process whose GEMM loop is AMX take attention_amx.cpp's (tiles
-// for every query vector that shares the keys); every other call the AVX-512 one below. A process takes one path for
-// every call, so both halves of a verify-versus-decode comparison round alike.
+// for every query vector that shares the keys); every other call the vector one below (simd.h: kLanes = 8 fp32
+// lanes on AVX2, 16 on AVX-512). A process takes one path for every call, so both halves of a verify-versus-decode
+// comparison round alike.
 //
 // Row invariance by construction: a row's keys are cut into two runs at a point that depends on their number alone
 // (split_at); one (row, run, KV head) is computed by one thread, in a fixed order that depends only on its query and
-// its keys: scores q.k 16 keys at a time (each key's 16 partial lanes over head_dim, bf16 by VDPBF16PS and fp32 by
-// FMAs, reduced by one fixed tree), the max, exp(s - max) 16 keys at a time and their sum (16 lanes, then a fixed
-// reduction), then sum_j p_j v_j in key order (16 lanes over head_dim; bf16 heads of a multiple of 32 dims: p rounded
-// to bf16, as flash attention does, and keys two at a time by VDPBF16PS). The two runs' sums are then merged under
+// its keys: scores q.k kLanes keys at a time (each key's kLanes partial lanes over head_dim, by FMAs, bf16 in an
+// AVX-512 BF16 build by VDPBF16PS; reduced by one fixed tree), the max, exp(s - max) kLanes keys at a time and their
+// sum (kLanes lanes, then a fixed reduction), then sum_j p_j v_j in key order (kLanes lanes over head_dim; in an
+// AVX-512 BF16 build, bf16 heads of a multiple of 32 dims: p rounded to bf16, as flash attention does, and keys two
+// at a time by VDPBF16PS). The two runs' sums are then merged under
 // their common max. A verify row, a tree node or a row of a batched call equals the same position fed alone, bit for
 // bit (tests/test_kernels.py).
 //

@@ -7,8 +7,8 @@
 // 13.68 ms.
 //
 // Each rounds as the torch modules it replaces (models/layers.py) do in bf16: the residual sum h = x + delta once to
-// bf16; RMSNorm as n = bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), its sum of squares in kLanes fp32 lanes then reduced
-// (torch's own order differs: the last bit of a norm can differ from eager mode without the kernels); SwiGLU as
+// bf16; RMSNorm as n = bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), its sum of squares in kLanes fp32 lanes then
+// reduced (torch's own order differs: the last bit of a norm can differ from eager mode without the kernels); SwiGLU as
 // bf16(bf16(silu(g)) * u), silu(g) = g / (1 + exp(-g)) with torch's own exp (Sleef, as ATen's silu and inductor).
 #pragma once
 

@@ -164,12 +164,14 @@ struct Vec {
 #elif defined(__AVX512F__)
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
     return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
 #else
     const __m256i u = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
 #endif
@@ -282,7 +284,8 @@ inline Vec sum_lanes(const Vec (&d)[kLanes]) {
 #if defined(__AVX512F__)
   __m512 t[8], u[4], v[2];
   for (int i = 0; i < 8; ++i)   // quarter lanes [a0+a2, b0+b2, a1+a3, b1+b3] of a = d[2i], b = d[2i+1]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i].v, d[2 * i + 1].v), _mm512_unpackhi_ps(d[2 * i].v, d[2 * i + 1].v));
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i].v, d[2 * i + 1].v),
+                         _mm512_unpackhi_ps(d[2 * i].v, d[2 * i + 1].v));
   for (int i = 0; i < 4; ++i) {  // each quarter: the quarter sums of d[4i .. 4i+3], in order
     const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
     u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
