@@ -75,6 +75,12 @@ constexpr int64_t kBlock = 64;      // outputs per packed block
 constexpr int kVecs = kBlock / kLanes;   // vectors of outputs per block: 4 zmm or 8 ymm
 constexpr int kTileRows = 6;        // rows of x per pass over a block
 constexpr int64_t kScaleRows = 4;   // an int8 block's 64 fp32 scales = 4 rows of 64 int8 (i8_rows)
+// Rows of x per walk of the bf16 loops over a block: 6 on AVX-512; 3 on AVX2, where a 4-6-row walk takes 4 passes
+// of a quarter block each (pass_vecs) and two 3-row walks of 2 passes were faster, the second walk reading the block
+// from L2 (AMD EPYC Zen 3, 1 thread, warm 3072 x 576 and 576 x 1536 weights, two processes of each alternated: 4
+// rows 232-301 against 336-368 us and 118-137 against 165-167 us, 6 rows 334-360 against 401-404 and 167 against
+// 198-214 us)
+constexpr int kWalkRows = kLanes == 16 ? kTileRows : 3;
 
 // Vectors of one block's outputs a pass of `rows` rows accumulates (a divisor of kVecs): as many as the registers
 // hold beside a pass's weights and broadcasts. AVX-512: the whole block for up to 6 rows (24 accumulators); AVX2:
@@ -547,7 +553,7 @@ void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, co
 #else
   const Loops& loops = kFmaLoops;   // set_gemm_variant offers no other loop in this build
 #endif
-  whiflash::for_each_tile(columns, kBlock, rows, kTileRows, loops.pair_rows, [&](int64_t blk, int64_t count,
+  whiflash::for_each_tile(columns, kBlock, rows, kWalkRows, loops.pair_rows, [&](int64_t blk, int64_t count,
                                                                                  int64_t col, int64_t cols, int64_t r,
                                                                                  int64_t n) {
     const BlockFn fn = count == 2 ? loops.pair[n - 1] : loops.rows[n - 1];
