@@ -368,6 +368,7 @@ def test_the_gemm_loop_is_chosen_once_per_cpu(tmp_path, monkeypatch):
     kept[0].write_text("not json")
     assert kernels.choose_gemm(tmp_path) in kernels.available_gemms()  # a broken record is measured again
     assert f"gemm-{kernels.loaded_isa()}-" in kept[0].name   # keyed by the ISA: amx and avx512bf16 share a build
+    assert not list(tmp_path.rglob(".*.tmp"))   # written through a temporary name, renamed into place
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -779,6 +780,17 @@ print("built", library)
     assert kernels.build.intact(rebuilt) and rebuilt.stat().st_size > len(whole) // 3
     assert not list(cached.glob(".*.tmp"))   # the temporary names renamed into place
     assert sorted(p.name for p in cached.glob("build*")) == ["build", "build-1-deadbeef"]   # its own build folder gone
+
+
+def test_cache_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The library, its sha256 and the GEMM choice go through a temporary name and a rename: a write that fails
+    leaves the old file whole and no temporary behind."""
+    path = tmp_path / "gemm-avx2-0.json"
+    kernels.build.write_atomically(path, b"old")
+    monkeypatch.setattr(kernels.build.os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        kernels.build.write_atomically(path, b"new")
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 OTHER_ISAS = [isa for isa in kernels.ISAS if kernels.build.BUILD_OF_ISA.get(isa) and isa != kernels.isa()]
