@@ -13,8 +13,9 @@
 // - FMA (0), every build, written over simd.h's Vec: each bf16 pair widened to fp32 (exact), x[m, 2k] * W[n, 2k] and
 //   then x[m, 2k+1] * W[n, 2k+1] added with fp32 FMAs. The faster one where VDPBF16PS is slow (the Xeon above: 1.3
 //   G/s per core against 5.3 G/s of FMAs), the only one on AVX2.
-// - DOT (1), AVX-512 BF16 builds: one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in fp32) added to the lane
-//   as the hardware does it (Intel documents odd then even, round to nearest, denormals flushed). Twice the
+// - DOT (1), AVX-512 BF16 builds: one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in
+//   fp32) added to the lane as the hardware does it (Intel documents odd then even, round to nearest, denormals
+//   flushed). Twice the
 //   multiply-adds per instruction and no widening: on an AMD EPYC (Zen 4, 2 threads) SmolLM2's linears took 14.2
 //   against 22.6 ms at 16 rows, 8.7 against 9.8 ms at 6, and as long at 1-4 rows (memory-bound).
 // - AMX (2), AVX-512 BF16 builds on CPUs with AMX-BF16: tiles of up to 16 rows, TDPBF16PS on the same packed weight
@@ -29,7 +30,7 @@
 // the decode row bit for bit (tests/test_kernels.py). The loops may differ in the last bit, so a process must not
 // switch between them while it decodes.
 //
-// The weight is packed once (whiflash_trt/kernels/__init__.py pack_weight): [N/64, K/2, 64] int32, each int32 the
+// The weight is packed once (whiflash_trt/kernels/ops.py pack_weight): [N/64, K/2, 64] int32, each int32 the
 // bf16 pair W[n, 2k], W[n, 2k+1]: a block of 64 outputs streams as one contiguous run.
 //
 // A call of one row (decode, an EAGLE-3 draft step) walks two adjacent blocks side by side: two streams in flight per

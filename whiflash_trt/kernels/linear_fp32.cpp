@@ -7,7 +7,7 @@
 // with fp32 FMAs for k = 0, 1, ... in order, then the bias. Nothing depends on M, on the row's place in the call or
 // on the thread count (tests/test_kernels.py).
 //
-// The weight is packed once (whiflash_trt/kernels/__init__.py pack_weight): [N/64, K, 64] fp32, a block of 64
+// The weight is packed once (whiflash_trt/kernels/ops.py pack_weight): [N/64, K, 64] fp32, a block of 64
 // outputs streaming as one contiguous run. Up to 6 rows read each weight once per call, more from cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
