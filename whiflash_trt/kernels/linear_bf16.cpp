@@ -15,9 +15,8 @@
 //   G/s per core against 5.3 G/s of FMAs), the only one on AVX2.
 // - DOT (1), AVX-512 BF16 builds: one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in
 //   fp32) added to the lane as the hardware does it (Intel documents odd then even, round to nearest, denormals
-//   flushed). Twice the
-//   multiply-adds per instruction and no widening: on an AMD EPYC (Zen 4, 2 threads) SmolLM2's linears took 14.2
-//   against 22.6 ms at 16 rows, 8.7 against 9.8 ms at 6, and as long at 1-4 rows (memory-bound).
+//   flushed). Twice the multiply-adds per instruction and no widening: on an AMD EPYC (Zen 4, 2 threads) SmolLM2's
+//   linears took 14.2 against 22.6 ms at 16 rows, 8.7 against 9.8 ms at 6, and as long at 1-4 rows (memory-bound).
 // - AMX (2), AVX-512 BF16 builds on CPUs with AMX-BF16: tiles of up to 16 rows, TDPBF16PS on the same packed weight
 //   (amx_block below).
 //   On an Intel Xeon with AMX (2 threads, SmolLM2's 121 linears plus its LM head, the loops alternated in one
