@@ -4,6 +4,7 @@ lossless verification needs); the loop a process runs is chosen once per CPU."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from whiflash_trt import kernels
 from whiflash_trt.models.layers import FrozenLinear, RMSNorm, apply_rope
 
 pytestmark = pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine "
-                                "(no AVX-512 BF16 or no C++ compiler: conftest printed why)")
+                                "(no AVX2 and FMA or no C++ compiler: conftest printed why)")
 
 SHAPES = [(960, 576), (577, 64), (200, 1536), (64, 2)]   # out, in: padded and single-block outputs included
 
@@ -28,10 +29,10 @@ def gemm(request):
     kernels.set_gemm(before)
 
 
-@pytest.fixture(params=["avx512", "amx"] if "amx" in kernels.available_gemms() else ["avx512"])
+@pytest.fixture(params=["vector", "amx"] if "amx" in kernels.available_gemms() else ["vector"])
 def attention_path(request):
     """Each attention test runs once per path this CPU has: the AMX one (kernels/attention_amx.cpp) is taken for bf16
-    heads of a multiple of 64 dims in a process whose GEMM loop is AMX, the AVX-512 one otherwise."""
+    heads of a multiple of 64 dims in a process whose GEMM loop is AMX, the vector one (simd.h) otherwise."""
     before = kernels.set_gemm("amx" if request.param == "amx" else "fma")
     yield request.param
     kernels.set_gemm(before)
@@ -165,9 +166,9 @@ def test_linear_norm_swiglu_equals_silu_of_its_gate_and_up_to_the_bit(gemm):
 
 def test_swiglu_equals_silu_to_the_bit_for_every_finite_bf16_gate(gemm):
     """The gate reaches SwiGLU as bf16: 65,280 finite values, all of them tried. Row r of x is the unit vector e_r,
-    so gate output i of row r is W_gate[i, r], one finite bf16 value each; up is 1. A silu below fp32's smallest
-    normal comes out as a zero of its sign (the kernels round to bf16 with VCVTNEPS2BF16, which flushes subnormals;
-    torch rounds them)."""
+    so gate output i of row r is W_gate[i, r], one finite bf16 value each; up is 1. In a build with AVX-512 BF16 a
+    silu below fp32's smallest normal comes out as a zero of its sign (it rounds to bf16 with VCVTNEPS2BF16, which
+    flushes subnormals; torch rounds them, as the other builds do)."""
     inter, k = 1536, 44
     finite = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     finite = finite[torch.isfinite(finite)]
@@ -179,8 +180,9 @@ def test_swiglu_equals_silu_to_the_bit_for_every_finite_bf16_gate(gemm):
     assert gate.unique().numel() > 65000 and torch.equal(up, torch.ones_like(up))
     want = F.silu(gate) * up
     silu32 = F.silu(gate.float())
-    subnormal = (silu32 != 0) & (silu32.abs() < torch.finfo(torch.float32).tiny)
-    want[subnormal] = torch.copysign(torch.zeros_like(want[subnormal]), want[subnormal])
+    if kernels.loaded_isa() in ("avx512bf16", "amx"):
+        subnormal = (silu32 != 0) & (silu32.abs() < torch.finfo(torch.float32).tiny)
+        want[subnormal] = torch.copysign(torch.zeros_like(want[subnormal]), want[subnormal])
     got = kernels.swiglu(x, kernels.pack_gate_up(w), inter)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))   # to the bit: the sign of a zero as well
 
@@ -259,14 +261,23 @@ def test_linear_norm_rejects_what_it_cannot_compute():
         torch.ops.whiflash.linear_bf16(x, kernels.pack_int8(w), None, 3072)
 
 
+def test_frozen_linear_runs_on_the_kernel():
+    w, b = weights(576, 576, bias=True)
+    x = torch.randn(2, 3, 576).bfloat16()
+    on = FrozenLinear(w, b)
+    assert on.kernel_weight is not None
+    assert torch.equal(on(x), kernels.linear(x.view(6, 576), on.kernel_weight, b, 576).view(2, 3, 576))
+    assert FrozenLinear(w.float()).kernel_weight.dtype == torch.float32   # fp32: linear_fp32
+
+
+@pytest.mark.skipif(not kernels.onednn_bf16_supported(), reason="oneDNN's bf16 linear (FrozenLinear without the "
+                    "kernel) needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks")
 def test_frozen_linear_runs_on_the_kernel_only_when_asked():
     w, b = weights(576, 576, bias=True)
     x = torch.randn(2, 3, 576).bfloat16()
     on, off = FrozenLinear(w, b), FrozenLinear(w, b, use_kernel=False)
     assert on.kernel_weight is not None and off.kernel_weight is None
-    assert torch.equal(on(x), kernels.linear(x.view(6, 576), on.kernel_weight, b, 576).view(2, 3, 576))
     assert torch.allclose(on(x).float(), off(x).float(), rtol=2 ** -6, atol=1e-2)
-    assert FrozenLinear(w.float()).kernel_weight.dtype == torch.float32   # fp32: linear_fp32
 
 
 @pytest.mark.parametrize("out_features,in_features", SHAPES + [(64, 3)])
@@ -313,15 +324,37 @@ def test_the_gemm_loops_agree_to_one_rounding():
         assert torch.allclose(out["fma"], out[variant], rtol=2 ** -7, atol=1e-3), variant
 
 
-def test_the_amx_loop_is_offered_only_where_the_cpu_has_amx(monkeypatch):
-    flags = [f for f in kernels.cpuinfo("flags").split() if not f.startswith("amx")]
-    monkeypatch.setattr(kernels, "cpuinfo", lambda field: " ".join(flags) if field == "flags" else "")
-    assert kernels.available_gemms() == ("fma", "dot")
+def test_the_gemm_loops_are_those_of_the_loaded_isa():
+    want = {"avx2": ("fma",), "avx512": ("fma",), "avx512bf16": ("fma", "dot")}
+    isa = kernels.loaded_isa()
+    assert isa == kernels.isa()
+    if isa == "amx":
+        assert kernels.available_gemms()[:2] == ("fma", "dot")
+    else:
+        assert kernels.available_gemms() == want[isa]
+        with pytest.raises(ValueError, match="GEMM variant"):
+            kernels.set_gemm("amx")
+    for variant in set(kernels.GEMM_VARIANTS) - set(kernels.available_gemms()):   # refused by the library too
+        with pytest.raises(RuntimeError, match="set_gemm_variant"):
+            torch.ops.whiflash.set_gemm_variant(kernels.GEMM_VARIANTS.index(variant))
+
+
+def test_the_gemm_loop_can_be_forced(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.GEMM_ENV, "fma")
+    assert kernels.choose_gemm(tmp_path) == "fma"
+    monkeypatch.setenv(kernels.GEMM_ENV, "sse")
+    with pytest.raises(ValueError, match="WHIFLASH_GEMM"):
+        kernels.choose_gemm(tmp_path)
     with pytest.raises(ValueError, match="GEMM variant"):
-        kernels.set_gemm("amx")
+        kernels.set_gemm("sse")
+    monkeypatch.delenv(kernels.GEMM_ENV)
+    if len(kernels.available_gemms()) == 1:   # nothing to choose from, nothing measured or kept
+        assert kernels.choose_gemm(tmp_path) == kernels.available_gemms()[0]
+        assert not list(tmp_path.rglob("gemm-*.json"))
 
 
-def test_the_gemm_loop_is_chosen_once_per_cpu_and_can_be_forced(tmp_path, monkeypatch):
+@pytest.mark.skipif(len(kernels.available_gemms()) < 2, reason="this CPU's ISA has one GEMM loop: nothing to choose")
+def test_the_gemm_loop_is_chosen_once_per_cpu(tmp_path, monkeypatch):
     monkeypatch.delenv(kernels.GEMM_ENV, raising=False)
     chosen = kernels.choose_gemm(tmp_path)
     kept = list(tmp_path.rglob("gemm-*.json"))
@@ -334,13 +367,8 @@ def test_the_gemm_loop_is_chosen_once_per_cpu_and_can_be_forced(tmp_path, monkey
     assert kernels.choose_gemm(tmp_path) == other                  # read back, not measured again
     kept[0].write_text("not json")
     assert kernels.choose_gemm(tmp_path) in kernels.available_gemms()  # a broken record is measured again
-    monkeypatch.setenv(kernels.GEMM_ENV, "fma")
-    assert kernels.choose_gemm(tmp_path) == "fma"
-    monkeypatch.setenv(kernels.GEMM_ENV, "sse")
-    with pytest.raises(ValueError, match="WHIFLASH_GEMM"):
-        kernels.choose_gemm(tmp_path)
-    with pytest.raises(ValueError, match="GEMM variant"):
-        kernels.set_gemm("sse")
+    assert f"gemm-{kernels.loaded_isa()}-" in kept[0].name   # keyed by the ISA: amx and avx512bf16 share a build
+    assert not list(tmp_path.rglob(".*.tmp"))   # written through a temporary name, renamed into place
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -661,3 +689,123 @@ print("exported", len(program.graph.nodes))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "exported" in out.stdout, out.stderr[-2000:]
+
+
+AVX2_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
+AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512vl avx512dq avx512cd"
+AMX_FLAGS = AVX512_FLAGS + " avx512_bf16 amx_tile amx_bf16 amx_int8"
+
+
+@pytest.mark.parametrize("flags,best", [("fpu sse2 avx", None), (AVX2_FLAGS, "avx2"),
+                                        (AVX2_FLAGS + " avx512f avx512cd", "avx2"), (AVX512_FLAGS, "avx512"),
+                                        (AVX512_FLAGS + " avx512_bf16", "avx512bf16"), (AMX_FLAGS, "amx")])
+def test_the_isa_is_the_best_the_cpu_flags_give(monkeypatch, flags, best):
+    monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field: flags if field == "flags" else "")
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    assert kernels.isa() == best
+    assert kernels.cpu_supported() == (best is not None)
+    assert kernels.cpu.cpu_isas() == (kernels.ISAS[:kernels.ISAS.index(best) + 1] if best else ())
+
+
+def test_whiflash_isa_forces_a_lower_isa_and_refuses_a_higher_one(monkeypatch):
+    monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field: AVX512_FLAGS if field == "flags" else "")
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert kernels.isa() == "avx2" and kernels.build.build_for() == "avx2"
+    for higher in ("avx512bf16", "amx"):
+        monkeypatch.setenv(kernels.ISA_ENV, higher)
+        with pytest.raises(ValueError, match=f"{kernels.ISA_ENV}={higher} but this CPU runs only"):
+            kernels.isa()
+    monkeypatch.setenv(kernels.ISA_ENV, "sse4")
+    with pytest.raises(ValueError, match="must be one of"):
+        kernels.isa()
+
+
+def test_each_isa_has_its_own_library_version(monkeypatch):
+    monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field: AMX_FLAGS if field == "flags" else "")
+    versions = {isa: kernels.build.version(isa) for isa in kernels.ISAS}
+    assert versions["amx"] == versions["avx512bf16"]   # one build, the AMX loop chosen at run time
+    assert len({versions["avx2"], versions["avx512"], versions["avx512bf16"]}) == 3
+    assert all(v.startswith(kernels.build.BUILD_OF_ISA[isa]) for isa, v in versions.items())
+
+
+def test_onednn_bf16_is_supported_only_with_avx512_bw_vl_dq_or_avx_ne_convert(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for flags, supported in ((AVX2_FLAGS, False), (AVX2_FLAGS + " avx512f avx512bw avx512vl", False),
+                             (AVX512_FLAGS, True), (AVX2_FLAGS + " avx_ne_convert", True)):
+        monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field, flags=flags: flags if field == "flags" else "")
+        assert kernels.onednn_bf16_supported() == supported, flags
+
+
+def test_the_loaded_library_is_the_build_of_this_isa(tmp_path):
+    library = kernels.build.DEFAULT_CACHE / kernels.version() / kernels.LIBRARY
+    assert kernels.loaded_isa() == kernels.isa()
+    assert kernels.build.library_build(library) == kernels.build.build_for()
+    assert kernels.build.intact(library)
+    other = next(b for b in kernels.build.BUILD_FLAGS if b != kernels.build.build_for())
+    foreign = tmp_path / kernels.LIBRARY
+    foreign.write_bytes(b"\x7fELF" + kernels.build.MARKER + other.encode() + b"\0rest")
+    assert not kernels.load(foreign)   # another build's instructions: not loaded
+    foreign.write_bytes(b"\x7fELF no marker")
+    assert not kernels.load(foreign)
+
+
+def test_a_truncated_library_in_the_cache_is_rebuilt_not_loaded(tmp_path):
+    """The cached library's bytes are checked against its sha256 before it is used: a truncated one is rebuilt (with
+    a line saying so), and a build folder left by a killed build (its cpp_extension lock held) does not block it.
+    In a process of its own (a process holds one library)."""
+    source = kernels.build.DEFAULT_CACHE / kernels.version()
+    cached = tmp_path / kernels.version()
+    cached.mkdir()
+    whole = (source / kernels.LIBRARY).read_bytes()
+    (cached / kernels.LIBRARY).write_bytes(whole[:len(whole) // 3])
+    (cached / (kernels.LIBRARY + ".sha256")).write_text(kernels.build.sha256_of(source / kernels.LIBRARY))
+    stale = cached / "build-1-deadbeef"
+    stale.mkdir()
+    (stale / "lock").write_text("")
+    (cached / "build").mkdir()
+    (cached / "build" / "lock").write_text("")   # where a single shared build folder would hold its lock
+    script = f"""
+from pathlib import Path
+from whiflash_trt import kernels
+library = kernels.compile_library(Path({str(tmp_path)!r}))
+assert kernels.load(library) and kernels.registered()
+print("built", library)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
+    assert "does not match its sha256; rebuilding" in out.stderr
+    rebuilt = cached / kernels.LIBRARY
+    assert kernels.build.intact(rebuilt) and rebuilt.stat().st_size > len(whole) // 3
+    assert not list(cached.glob(".*.tmp"))   # the temporary names renamed into place
+    assert sorted(p.name for p in cached.glob("build*")) == ["build", "build-1-deadbeef"]   # its own build folder gone
+
+
+def test_cache_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The library, its sha256 and the GEMM choice go through a temporary name and a rename: a write that fails
+    leaves the old file whole and no temporary behind."""
+    path = tmp_path / "gemm-avx2-0.json"
+    kernels.build.write_atomically(path, b"old")
+    monkeypatch.setattr(kernels.build.os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        kernels.build.write_atomically(path, b"new")
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+OTHER_ISAS = [isa for isa in kernels.ISAS if kernels.build.BUILD_OF_ISA.get(isa) and isa != kernels.isa()]
+
+
+@pytest.mark.parametrize("isa", OTHER_ISAS)
+def test_the_kernel_tests_pass_on_every_other_isa_this_cpu_runs(isa):
+    """This module's tests for each ISA the CPU runs besides this process's (the row invariance, bit-exactness and
+    torch comparisons of every build: avx2 and avx512 on an AVX-512 machine), each in a process with WHIFLASH_ISA
+    set (a process holds one library)."""
+    if isa not in kernels.cpu.cpu_isas():
+        pytest.skip(f"this CPU lacks {isa} ({' '.join(kernels.cpu.ISA_FLAGS[isa])})")
+    env = {**os.environ, kernels.ISA_ENV: isa}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "not every_other_isa and not truncated_library"], capture_output=True, text=True,
+                         env=env, timeout=3000)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout

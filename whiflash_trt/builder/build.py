@@ -157,10 +157,11 @@ def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engin
 
 
 def resolve_backend(opts: BuildOptions) -> str:
-    """auto: compiled for bf16 where the CPU runs the kernels, else torch."""
+    """auto: compiled for bf16 where the engine's kernels can be built and loaded here (the CPU runs one of their
+    ISAs, AVX2 at least, and a C++ compiler is found), else torch."""
     if opts.backend != AUTO:
         return opts.backend
-    return "compiled" if opts.dtype == "bf16" and kernels.cpu_supported() else "torch"
+    return "compiled" if opts.dtype == "bf16" and kernels.can_build() else "torch"
 
 
 def with_bundled(opts: BuildOptions) -> BuildOptions:

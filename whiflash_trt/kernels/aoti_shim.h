@@ -1,7 +1,7 @@
 // The engine's ops as plain C functions for AOTInductor (C shims). A compiled step calls an op that has one,
 // aoti_torch_cpu_<op>, directly; any other custom op goes through AOTInductor's proxy executor, which builds an
 // IValue stack, looks the op up by name and calls it boxed on every call (a SmolLM2 step makes ~150 such calls).
-// kernels/__init__.py C_SHIMS declares them to inductor (builder/compile_target.py) in the convention its generated
+// kernels/ops.py C_SHIMS declares them to inductor (builder/compile_target.py) in the convention its generated
 // code calls them with: a tensor as an AtenTensorHandle, an optional one as a pointer to one (nullptr for None),
 // int as int64_t, float as double, bool as int32_t, and each returned tensor through an AtenTensorHandle* the shim
 // fills. The library is loaded with global symbols (kernels.load) so that a package finds them.

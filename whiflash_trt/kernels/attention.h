@@ -1,4 +1,4 @@
-// What the attention's two paths (paged_attention.cpp's AVX-512 one, attention_amx.cpp's AMX one) share: a layer of
+// What the attention's two paths (paged_attention.cpp's vector one, attention_amx.cpp's AMX one) share: a layer of
 // the pools as raw pointers, where a row's keys are cut into two runs, and the merge of the runs' partial results.
 #pragma once
 
@@ -32,53 +32,48 @@ inline int64_t split_at(int64_t keys) { return keys < kSplitFrom ? keys : ((keys
 
 // RoPE (rotate-half, the HF checkpoints' convention) of one head vector x [dim] at its row's cos, sin [dim], into
 // out: out[:h] = x[:h] cos[:h] + (-x[h:]) sin[:h], out[h:] = x[h:] cos[h:] + x[:h] sin[h:], every product and sum
-// rounded to T as models/layers.py apply_rope's torch ops round them (fp32: the explicitly rounded intrinsics, which
-// the compiler cannot fuse into a multiply-add; bf16: a product of two bf16 is exact in fp32, then rounded).
+// rounded to T as models/layers.py apply_rope's torch ops round them (fp32: products and sums apart, the build's
+// -ffp-contract=off keeping the compiler from fusing them; bf16: a product of two bf16 is exact in fp32, then
+// rounded).
 template <typename T>
 inline void rope_head(const T* x, const T* cos, const T* sin, int64_t dim, T* out) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  auto product = [](__m512 a, __m512 b) {
-    const __m512 p = _mm512_mul_round_ps(a, b, kNearest);
-    return std::is_same_v<T, float> ? p : round_bf16(p);
-  };
+  auto product = [](Vec a, Vec b) { return std::is_same_v<T, float> ? a * b : round_bf16(a * b); };
   const int64_t half = dim / 2;
-  for (int64_t j = 0; j < half; j += 16) {
-    const __mmask16 m = lanes(half - j);
-    const __m512 a = load16(x + j, m), b = load16(x + half + j, m);
-    const __m512 minus_b = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(b), sign));
-    store16(out + j, _mm512_add_round_ps(product(a, load16(cos + j, m)), product(minus_b, load16(sin + j, m)),
-                                         kNearest), m);
-    store16(out + half + j, _mm512_add_round_ps(product(b, load16(cos + half + j, m)),
-                                                product(a, load16(sin + half + j, m)), kNearest), m);
+  for (int64_t j = 0; j < half; j += kLanes) {
+    const int64_t n = half - j;
+    const Vec a = Vec::load(x + j, n), b = Vec::load(x + half + j, n);
+    (product(a, Vec::load(cos + j, n)) + product(negate(b), Vec::load(sin + j, n))).store(out + j, n);
+    (product(b, Vec::load(cos + half + j, n)) + product(a, Vec::load(sin + half + j, n))).store(out + half + j, n);
   }
 }
 
-// A run's weights p_j = exp(s_j - top) for keys [0, n), 16 at a time, and their sum (16 lanes, reduced once). With
-// `bf16`, p rounded to bf16 goes there and the sum adds the rounded p (bf16 may lie over s: 2 bytes a key, written
-// behind the 4 still to read); without, p replaces s.
+// A run's weights p_j = exp(s_j - top) for keys [0, n), kLanes at a time, and their sum (kLanes lanes, reduced
+// once). With `bf16`, p rounded to bf16 goes there and the sum adds the rounded p (bf16 may lie over s: 2 bytes a
+// key, written behind the 4 still to read); without, p replaces s.
 inline float exp_weights(float* s, int64_t n, float top, uint16_t* bf16) {
-  __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = lanes(n - j);
-    __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift)));
+  Vec sums = Vec::zero();
+  const Vec shift = Vec::all(top);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t left = n - j;
+    Vec p = select(Mask::first(left), exp(Vec::load(s + j, left) - shift), Vec::zero());
     if (bf16 != nullptr) {
-      const __m256bh b = _mm512_cvtneps_pbh(p);
-      p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16));   // p as rounded
-      _mm256_mask_storeu_epi16(bf16 + j, m, (__m256i)b);
+      const NativeInt b = p.bf16_bits();
+      p = Vec::widen(b);   // p as rounded
+      narrow_store(bf16 + j, b, left);
     } else {
-      _mm512_mask_storeu_ps(s + j, m, p);
+      p.store(s + j, left);
     }
-    sums = _mm512_add_ps(sums, p);
+    sums = sums + p;
   }
-  return _mm512_reduce_add_ps(sums);
+  return reduce_add(sums);
 }
 
-// What one run of keys leaves for a head: its max score, sum of exp(s - max) and sum_j p_j v_j (Vecs * 16 lanes)
+// What one run of keys leaves for a head: its max score, sum of exp(s - max) and sum_j p_j v_j (Vecs * kLanes
+// lanes)
 template <int Vecs>
 struct Partial {
   float top, total;
-  alignas(64) float acc[Vecs * 16];
+  alignas(64) float acc[Vecs * kLanes];
 };
 
 // out = (a.acc e^(a.top - m) + b.acc e^(b.top - m)) / (a.total e^(a.top - m) + b.total e^(b.top - m)), m the larger
@@ -92,11 +87,11 @@ void merge(const Partial<Vecs>& a, const Partial<Vecs>* b, int64_t dim, T* out) 
     wb = std::exp(b->top - m);
     total = a.total * wa + b->total * wb;
   }
-  const __m512 inv = _mm512_set1_ps(1.f / total);
+  const Vec inv = Vec::all(1.f / total);
   for (int i = 0; i < Vecs; ++i) {
-    __m512 x = _mm512_mul_ps(_mm512_load_ps(a.acc + 16 * i), _mm512_set1_ps(wa));
-    if (b != nullptr) x = _mm512_fmadd_ps(_mm512_load_ps(b->acc + 16 * i), _mm512_set1_ps(wb), x);
-    store16(out + 16 * i, _mm512_mul_ps(x, inv), lanes(dim - 16 * i));
+    Vec x = Vec::load(a.acc + kLanes * i) * Vec::all(wa);
+    if (b != nullptr) x = fma(Vec::load(b->acc + kLanes * i), Vec::all(wb), x);
+    (x * inv).store(out + kLanes * i, dim - kLanes * i);
   }
 }
 
@@ -132,8 +127,10 @@ struct Rope {
 // The AMX path (attention_amx.cpp): bf16 heads of a multiple of 64 dims, where amx_selected(). q [rows, heads, dim]
 // with rows q_row elements apart; rope: q rotated per task as it is read (null: q as it is).
 constexpr bool amx_fits(int64_t dim) { return dim % 64 == 0 && dim <= 256; }
+#if defined(__AMX_TILE__)
 void attend_amx(const at::BFloat16* q, int64_t q_row, int64_t rows, int64_t heads, const Layer& pool,
                 const int64_t* row_slots, int64_t width, const int64_t* row_len, float scale, const Rope* rope,
                 at::BFloat16* out);
+#endif
 
 }  // namespace whiflash

@@ -1,4 +1,4 @@
-// whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX-512 BF16 CPUs;
+// whiflash::linear_bf16: y = x W^T (+ bias) for bf16 x [M, K] and a bf16 weight W [N, K], on AVX2 and AVX-512 CPUs;
 // whiflash::linear_norm_bf16: the same GEMM with a decoder layer's residual add and RMSNorm before it and SwiGLU
 // after it (rows.h), over a bf16 weight or an int8 one quantised per output row (a drafter's layers);
 // whiflash::linear_i8: the few-row GEMM over such an int8 weight (a drafter's LM head; i8_rows below).
@@ -8,15 +8,17 @@
 // SmolLM2's linears took 16.3 ms at 1 row and 43 ms at 16 rows with oneDNN, about 13 and 30 ms here). This one reads
 // each weight once per call for up to 6 rows, and from cache for more.
 //
-// Three inner loops (whiflash::set_gemm_variant; kernels/__init__.py picks the fastest one the CPU has, once per
-// process):
-// - FMA (0): each bf16 pair widened to fp32 (exact), x[m, 2k] * W[n, 2k] and then x[m, 2k+1] * W[n, 2k+1] added with
-//   fp32 FMAs. The faster one where VDPBF16PS is slow (the Xeon above: 1.3 G/s per core against 5.3 G/s of FMAs).
-// - DOT (1): one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in fp32) added to the lane
-//   as the hardware does it (Intel documents odd then even, round to nearest, denormals flushed). Twice the
-//   multiply-adds per instruction and no widening: on an AMD EPYC (Zen 4, 2 threads) SmolLM2's linears took 14.2
-//   against 22.6 ms at 16 rows, 8.7 against 9.8 ms at 6, and as long at 1-4 rows (memory-bound).
-// - AMX (2): tiles of up to 16 rows, TDPBF16PS on the same packed weight (amx_block below), on CPUs with AMX-BF16.
+// Three inner loops (whiflash::set_gemm_variant; kernels/ops.py picks the fastest one the process's ISA has, once
+// per process):
+// - FMA (0), every build, written over simd.h's Vec: each bf16 pair widened to fp32 (exact), x[m, 2k] * W[n, 2k] and
+//   then x[m, 2k+1] * W[n, 2k+1] added with fp32 FMAs. The faster one where VDPBF16PS is slow (the Xeon above: 1.3
+//   G/s per core against 5.3 G/s of FMAs), the only one on AVX2.
+// - DOT (1), AVX-512 BF16 builds: one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in
+//   fp32) added to the lane as the hardware does it (Intel documents odd then even, round to nearest, denormals
+//   flushed). Twice the multiply-adds per instruction and no widening: on an AMD EPYC (Zen 4, 2 threads) SmolLM2's
+//   linears took 14.2 against 22.6 ms at 16 rows, 8.7 against 9.8 ms at 6, and as long at 1-4 rows (memory-bound).
+// - AMX (2), AVX-512 BF16 builds on CPUs with AMX-BF16: tiles of up to 16 rows, TDPBF16PS on the same packed weight
+//   (amx_block below).
 //   On an Intel Xeon with AMX (2 threads, SmolLM2's 121 linears plus its LM head, the loops alternated in one
 //   process): 9.4 against 19.8 ms (FMA) at 16 rows, 8.7-9.4 against 11.1-11.9 ms at 6, and 1.04x FMA's time at one
 //   row (memory-bound; the two-block walk below has no AMX counterpart: eight tiles hold one block's four sums).
@@ -27,7 +29,7 @@
 // the decode row bit for bit (tests/test_kernels.py). The loops may differ in the last bit, so a process must not
 // switch between them while it decodes.
 //
-// The weight is packed once (whiflash_trt/kernels/__init__.py pack_weight): [N/64, K/2, 64] int32, each int32 the
+// The weight is packed once (whiflash_trt/kernels/ops.py pack_weight): [N/64, K/2, 64] int32, each int32 the
 // bf16 pair W[n, 2k], W[n, 2k+1]: a block of 64 outputs streams as one contiguous run.
 //
 // A call of one row (decode, an EAGLE-3 draft step) walks two adjacent blocks side by side: two streams in flight per
@@ -41,6 +43,9 @@
 // 9.75 ms (7.3 at 1 row), two requests decoding in one batch 1.039x the tokens/s. Not the FMA loop (9.22 and 9.63
 // against 9.18 and 9.16 ms: its 2 widened weights per pair leave too few registers), nor 4-6 rows as two passes
 // over half of each block's outputs (the second from cache; 11.5-11.8 against 8.4-8.5 ms).
+//
+// On AVX2 (16 ymm) a block's 64 outputs are 8 vectors: a pass holds them all for one row, and for more rows walks the
+// block in 2 or 4 passes over a part of its outputs each (pass_vecs), every weight line still read once per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -63,9 +68,28 @@
 
 namespace {
 
-constexpr int64_t kBlock = 64;  // outputs per packed block: four zmm of fp32 accumulators
-constexpr int kTileRows = 6;    // rows of x per pass over a block: 24 accumulators + 2 weights + a mask in 32 zmm
+using whiflash::kLanes;
+using whiflash::Vec;
+
+constexpr int64_t kBlock = 64;      // outputs per packed block
+constexpr int kVecs = kBlock / kLanes;   // vectors of outputs per block: 4 zmm or 8 ymm
+constexpr int kTileRows = 6;        // rows of x per pass over a block
 constexpr int64_t kScaleRows = 4;   // an int8 block's 64 fp32 scales = 4 rows of 64 int8 (i8_rows)
+// Rows of x per walk of the bf16 loops over a block: 6 on AVX-512; 3 on AVX2, where a 4-6-row walk takes 4 passes
+// of a quarter block each (pass_vecs) and two 3-row walks of 2 passes were faster, the second walk reading the block
+// from L2 (AMD EPYC Zen 3, 1 thread, warm 3072 x 576 and 576 x 1536 weights, two processes of each alternated: 4
+// rows 232-301 against 336-368 us and 118-137 against 165-167 us, 6 rows 334-360 against 401-404 and 167 against
+// 198-214 us)
+constexpr int kWalkRows = kLanes == 16 ? kTileRows : 3;
+
+// Vectors of one block's outputs a pass of `rows` rows accumulates (a divisor of kVecs): as many as the registers
+// hold beside a pass's weights and broadcasts. AVX-512: the whole block for up to 6 rows (24 accumulators); AVX2:
+// the whole block for 1 row, half of it for 2-3, a quarter for 4-6, each pass streaming its own lines of the block.
+constexpr int pass_vecs(int rows) {
+  int vecs = kVecs;
+  while (vecs > 1 && rows * vecs > whiflash::kAccumulators) vecs /= 2;
+  return vecs;
+}
 
 // A packed weight as the loops read it: bf16 pairs (kernels.pack_weight: [N/64, K/2, 64] int32) or int8 rows and
 // their scales (kernels.pack_int8: [N/64, K + 4, 64] int8, see i8_rows)
@@ -84,90 +108,100 @@ struct Weight {
 enum Variant : int64_t { kFma = 0, kDot = 1, kAmx = 2 };
 std::atomic<int64_t> g_variant{kFma};
 
-// acc(r, j) + bias, rounded to bf16, into y[rows, cols of one block]: acc(r, j) is row r's 16 sums of outputs
-// 16j .. 16j + 15
+// acc(r, j) + bias, rounded to bf16, into y[rows, cols]: acc(r, j) is row r's kLanes sums of outputs kLanes j ..
+// kLanes j + kLanes - 1, j < vecs
 template <typename Acc>
-inline void store_block(int rows, const Acc& acc, const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
-  for (int j = 0; j < 4; ++j) {
-    int64_t left = cols - 16 * j;
+inline void store_rows(int rows, int vecs, const Acc& acc, const float* bias, uint16_t* y, int64_t ldy,
+                       int64_t cols) {
+  for (int j = 0; j < vecs; ++j) {
+    const int64_t left = cols - kLanes * j;
     if (left <= 0) break;
-    __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + 16 * j) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
-      __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc(r, j), b));
-      _mm256_mask_storeu_epi16(y + r * ldy + 16 * j, keep, (__m256i)out);
-    }
+    const Vec b = bias ? Vec::load(bias + kLanes * j, left) : Vec::zero();
+    for (int r = 0; r < rows; ++r) (acc(r, j) + b).store(y + r * ldy + kLanes * j, left);
   }
 }
 
-// Software prefetch (to L2) of a block's line ahead, +5-10% over the hardware prefetcher alone (measured, 2 threads):
-// 8 KB with one stream (4 KB was slower at 6 rows, 12-24 KB no faster at 3 and 6), 2 KB each with two (1 and 3 KB
-// no faster at one row)
-template <int Blocks>
-inline void prefetch_block(const int32_t* wk) {
+// Software prefetch (to L2) of a pass's lines ahead, +5-10% over the hardware prefetcher alone (measured, AVX-512,
+// 2 threads): 8 KB with one stream (4 KB was slower at 6 rows, 12-24 KB no faster at 3 and 6), 2 KB each with two
+// (1 and 3 KB no faster at one row)
+template <int Blocks, int Vecs>
+inline void prefetch_pass(const int32_t* wk) {
   constexpr int bytes = Blocks == 1 ? 8192 : 2048;
-  for (int j = 0; j < 4; ++j)
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + bytes, _MM_HINT_T1);
+  for (int line = 0; line < Vecs * kLanes * 4; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wk) + line + bytes, _MM_HINT_T1);
 }
 
-// The frame of both loops over `Blocks` adjacent blocks (1 or 2; `cols` columns in all): accumulators from zero, the
-// pairs k = 0, 1, ... in order, each block's pair k prefetched ahead and added, then store_block per block;
-// add(acc, k, wk) adds pair k, its 4 x 16 int32 at wk, to every row's lanes of one block.
-template <int Rows, int Blocks, typename Add>
-inline void run_blocks(const int32_t* w, int64_t pairs, const float* bias, uint16_t* y, int64_t ldy, int64_t cols,
-                       const Add& add) {
-  __m512 acc[Blocks][Rows][4];
+// The frame of the bf16 loops: one pass over `Blocks` adjacent blocks (1 or 2; `cols` columns from the first
+// block's output `first`, which is vector `first` / kLanes of it), for outputs first .. first + Vecs kLanes - 1 of
+// each block: accumulators from zero, the pairs k = 0, 1, ... in order, each block's pair k prefetched ahead and
+// added, then store_rows per block; add(acc, k, wk) adds pair k, its Vecs x kLanes int32 at wk, to every row's
+// lanes.
+template <int Rows, int Vecs, int Blocks, typename Add>
+inline void run_pass(const int32_t* w, int64_t pairs, int64_t first, const float* bias, uint16_t* y, int64_t ldy,
+                     int64_t cols, const Add& add) {
+  Vec acc[Blocks][Rows][Vecs];
   for (int b = 0; b < Blocks; ++b)
     for (int r = 0; r < Rows; ++r)
-      for (int j = 0; j < 4; ++j) acc[b][r][j] = _mm512_setzero_ps();
+      for (int j = 0; j < Vecs; ++j) acc[b][r][j] = Vec::zero();
   for (int64_t k = 0; k < pairs; ++k) {
     for (int b = 0; b < Blocks; ++b) {
-      const int32_t* wk = w + (b * pairs + k) * kBlock;
-      prefetch_block<Blocks>(wk);
+      const int32_t* wk = w + (b * pairs + k) * kBlock + first;
+      prefetch_pass<Blocks, Vecs>(wk);
       add(acc[b], k, wk);
     }
   }
   for (int b = 0; b < Blocks; ++b)
-    store_block(Rows, [&](int r, int j) { return acc[b][r][j]; }, bias ? bias + b * kBlock : nullptr, y + b * kBlock,
-                ldy, cols - b * kBlock);
+    store_rows(Rows, Vecs, [&](int r, int j) { return acc[b][r][j]; }, bias ? bias + b * kBlock + first : nullptr,
+               y + b * kBlock + first, ldy, cols - b * kBlock - first);
 }
 
-// FMA loop: y[rows, 64 outputs of one block] from x in fp32 (exact: a bf16 is the top half of its fp32), so each x
-// element is one broadcast from memory folded into its FMA, and the FMA ports do little besides FMAs.
+// Every pass over a block (or two) for `Rows` rows: Vecs = pass_vecs(Rows) vectors of outputs at a time
+template <int Rows, int Blocks, typename Add>
+inline void run_blocks(const int32_t* w, int64_t pairs, const float* bias, uint16_t* y, int64_t ldy, int64_t cols,
+                       const Add& add) {
+  constexpr int vecs = Blocks == 1 ? pass_vecs(Rows) : pass_vecs(2 * Rows);
+  for (int64_t first = 0; first < kBlock && first < cols; first += vecs * kLanes)
+    run_pass<Rows, vecs, Blocks>(w, pairs, first, bias, y, ldy, cols, add);
+}
+
+// FMA loop: y[rows, 64 outputs of one block] from x in fp32 (exact: a bf16 is the top half of its fp32): each pair
+// widened to fp32 (exact), x[m, 2k] * W[n, 2k] and then x[m, 2k+1] * W[n, 2k+1] added with fp32 FMAs.
 template <int Rows, int Blocks>
 void fma_rows(const void* xv, int64_t ldx, const int32_t* w, int64_t pairs, const float* bias, uint16_t* y,
               int64_t ldy, int64_t cols) {
   const float* x = static_cast<const float*>(xv);
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  run_blocks<Rows, Blocks>(w, pairs, bias, y, ldy, cols, [&](__m512 (&acc)[Rows][4], int64_t k, const int32_t* wk) {
-    for (int j = 0; j < 4; ++j) {
-      __m512i pair = _mm512_loadu_si512(wk + 16 * j);
-      __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));   // W[n, 2k] as fp32
-      __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));   // W[n, 2k + 1]
+  run_blocks<Rows, Blocks>(w, pairs, bias, y, ldy, cols, [&](auto& acc, int64_t k, const int32_t* wk) {
+    constexpr int vecs = sizeof(acc[0]) / sizeof(Vec);
+    for (int j = 0; j < vecs; ++j) {
+      const whiflash::NativeInt pair = whiflash::load_int(wk + kLanes * j);
+      const Vec even = whiflash::low_bf16(pair), odd = whiflash::high_bf16(pair);   // W[n, 2k], W[n, 2k + 1]
       for (int r = 0; r < Rows; ++r) {
         const float* xr = x + r * ldx + 2 * k;
-        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd,
-                                    _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, acc[r][j]));
+        acc[r][j] = fma(Vec::all(xr[1]), odd, fma(Vec::all(xr[0]), even, acc[r][j]));
       }
     }
   });
 }
 
+#if defined(__AVX512BF16__)
 typedef int32_t __attribute__((may_alias, aligned(2))) Pair;  // two bf16 of x, read as one int32
 
-// DOT loop: the same block from x as bf16 pairs (one int32 each, broadcast from memory into its VDPBF16PS)
+// DOT loop (AVX-512 BF16 builds): the same block from x as bf16 pairs (one int32 each, broadcast from memory into
+// its VDPBF16PS)
 template <int Rows, int Blocks>
 void dot_rows(const void* xv, int64_t ldx, const int32_t* w, int64_t pairs, const float* bias, uint16_t* y,
               int64_t ldy, int64_t cols) {
   const Pair* x = static_cast<const Pair*>(xv);  // ldx counts bf16 elements: a row is ldx / 2 pairs
-  run_blocks<Rows, Blocks>(w, pairs, bias, y, ldy, cols, [&](__m512 (&acc)[Rows][4], int64_t k, const int32_t* wk) {
-    for (int j = 0; j < 4; ++j) {
-      __m512bh pair = (__m512bh)_mm512_loadu_si512(wk + 16 * j);
+  run_blocks<Rows, Blocks>(w, pairs, bias, y, ldy, cols, [&](auto& acc, int64_t k, const int32_t* wk) {
+    constexpr int vecs = sizeof(acc[0]) / sizeof(Vec);
+    for (int j = 0; j < vecs; ++j) {
+      __m512bh pair = (__m512bh)_mm512_loadu_si512(wk + kLanes * j);
       for (int r = 0; r < Rows; ++r)
-        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)_mm512_set1_epi32(x[r * (ldx / 2) + k]), pair);
+        acc[r][j].v = _mm512_dpbf16_ps(acc[r][j].v, (__m512bh)_mm512_set1_epi32(x[r * (ldx / 2) + k]), pair);
     }
   });
 }
+#endif
 
 using BlockFn = void (*)(const void*, int64_t, const int32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
 constexpr int kMaxPairRows = 3;
@@ -178,13 +212,26 @@ struct Loops {
 };
 constexpr Loops kFmaLoops = {{fma_rows<1, 1>, fma_rows<2, 1>, fma_rows<3, 1>, fma_rows<4, 1>, fma_rows<5, 1>,
                               fma_rows<6, 1>}, {fma_rows<1, 2>}, 1};
+#if defined(__AVX512BF16__)
 constexpr Loops kDotLoops = {{dot_rows<1, 1>, dot_rows<2, 1>, dot_rows<3, 1>, dot_rows<4, 1>, dot_rows<5, 1>,
                               dot_rows<6, 1>}, {dot_rows<1, 2>, dot_rows<2, 2>, dot_rows<3, 2>}, 3};
+#endif
+
+// What linear_norm_bf16 folds into the GEMM (rows.h); nothing for linear_bf16
+struct Fused {
+  const uint16_t* delta = nullptr;   // a residual added to x first
+  const uint16_t* norm = nullptr;    // an RMSNorm weight: the GEMM's input is RMSNorm(x + delta) * norm
+  float eps = 0;
+  uint16_t* h = nullptr;             // where x + delta goes
+  bool silu = false;                 // each packed block holds 32 gate then 32 up outputs: y is SwiGLU(gate, up)
+};
+
+#if defined(__AMX_TILE__)
 
 // AMX loop: a block's 64 outputs as four 16 x 16 fp32 tiles (C: tiles 0-3), for up to 16 rows of x at once. Each
 // step of 16 pairs loads the rows' 32 bf16 of x (A: tile 4 or 5) and the block's 16 pairs x 16 outputs four times
 // (B: tiles 6 and 7 in turn, a row of a B tile being one pair k's 16 int32 of the packed block: stride 256 bytes), then
-// TDPBF16PS adds A x B to each C. The tiles are stored, then store_block adds the bias and rounds each lane once. A
+// TDPBF16PS adds A x B to each C. The tiles are stored, then store_rows adds the bias and rounds each lane once. A
 // row's lanes depend on its own x alone (TDPBF16PS computes every row of its tiles independently), so rows stay
 // invariant to the call; K must be a multiple of 32 (amx_supported), else the call runs the DOT loop.
 constexpr int kAmxRows = 16;   // rows of x per tile
@@ -299,10 +346,10 @@ void amx_block(const uint16_t* x, int64_t ldx, int rows, const void* w, int64_t 
   if constexpr (Tiles > 3) _tile_stored(3, out[3], 64);
   whiflash::tile_memory_fence();
   const float* scale = reinterpret_cast<const float*>(q + 2 * pairs * kBlock) + 16 * first;   // Int8 only
-  store_block(rows, [&](int r, int j) {
+  store_rows(rows, Tiles, [&](int r, int j) {
     const __m512 sum = _mm512_load_ps(out[j] + r * 16);
-    if constexpr (Int8) return _mm512_mul_ps(sum, _mm512_loadu_ps(scale + 16 * j));
-    else return sum;
+    if constexpr (Int8) return Vec{_mm512_mul_ps(sum, _mm512_loadu_ps(scale + 16 * j))};
+    else return Vec{sum};
   }, bias ? bias + 16 * first : nullptr, y + 16 * first, ldy, std::min<int64_t>(cols - 16 * first, 16 * Tiles));
 }
 
@@ -313,14 +360,6 @@ constexpr AmxBlockFn kAmxBlocks[2][4] = {{amx_block<1, false>, amx_block<2, fals
                                          {amx_block<1, true>, amx_block<2, true>, amx_block<3, true>,
                                           amx_block<4, true>}};
 
-// What linear_norm_bf16 folds into the GEMM (rows.h); nothing for linear_bf16
-struct Fused {
-  const uint16_t* delta = nullptr;   // a residual added to x first
-  const uint16_t* norm = nullptr;    // an RMSNorm weight: the GEMM's input is RMSNorm(x + delta) * norm
-  float eps = 0;
-  uint16_t* h = nullptr;             // where x + delta goes
-  bool silu = false;                 // each packed block holds 32 gate then 32 up outputs: y is SwiGLU(gate, up)
-};
 
 // Waits until `count` reaches `target`: spinning, then (more threads than cores: the ones it waits for may need this
 // core) yielding the core between looks. Spinning alone, 4 torch threads on 2 cores took 247-249 ms for 30 SmolLM2
@@ -395,6 +434,8 @@ void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, c
   });
 }
 
+#endif  // __AMX_TILE__
+
 // int8 weights (linear_i8): y = x (s * Q)^T for a weight quantised per output row (kernels.pack_int8: W[n, k] ~
 // s[n] Q[n, k], Q in [-127, 127], s[n] = max_k |W[n, k]| / 127), packed [N/64, K + 4, 64] int8: row k of a block
 // holds Q[., k] of its 64 outputs, its last four rows their 64 fp32 scales. Half the bytes of the bf16 weight: for
@@ -408,31 +449,39 @@ void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, c
 // layers, at 8 rows a block) takes the process's loop: on AMX 48 against 114 us here for 3072 x 576 at 8 rows.
 constexpr int64_t kI8Ahead = 4096;     // software prefetch distance in bytes: 64 steps of k
 
-template <int Rows>
-void i8_rows(const float* x, int64_t ldx, const int8_t* w, int64_t k, uint16_t* y, int64_t ldy, int64_t cols) {
-  __m512 acc[Rows][4];
+template <int Rows, int Vecs>
+void i8_pass(const float* x, int64_t ldx, const int8_t* w, int64_t k, int64_t first, uint16_t* y, int64_t ldy,
+             int64_t cols) {
+  Vec acc[Rows][Vecs];
   for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < Vecs; ++j) acc[r][j] = Vec::zero();
   for (int64_t i = 0; i < k; ++i) {
-    const int8_t* wi = w + i * kBlock;
+    const int8_t* wi = w + i * kBlock + first;
     _mm_prefetch(reinterpret_cast<const char*>(wi) + kI8Ahead, _MM_HINT_T0);
-    for (int j = 0; j < 4; ++j) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + 16 * j));
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-      for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), wv, acc[r][j]);
+    for (int j = 0; j < Vecs; ++j) {
+      const Vec wv = whiflash::load_int8(wi + kLanes * j);
+      for (int r = 0; r < Rows; ++r) acc[r][j] = fma(Vec::all(x[r * ldx + i]), wv, acc[r][j]);
     }
   }
-  const float* scale = reinterpret_cast<const float*>(w + k * kBlock);
-  for (int j = 0; j < 4; ++j) {
-    const __m512 sj = _mm512_loadu_ps(scale + 16 * j);
-    for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_mul_ps(acc[r][j], sj);
+  const float* scale = reinterpret_cast<const float*>(w + k * kBlock) + first;
+  for (int j = 0; j < Vecs; ++j) {
+    const Vec sj = Vec::load(scale + kLanes * j);
+    for (int r = 0; r < Rows; ++r) acc[r][j] = acc[r][j] * sj;
   }
-  store_block(Rows, [&](int r, int j) { return acc[r][j]; }, nullptr, y, ldy, cols);
+  store_rows(Rows, Vecs, [&](int r, int j) { return acc[r][j]; }, nullptr, y + first, ldy, cols - first);
+}
+
+template <int Rows>
+void i8_rows(const float* x, int64_t ldx, const int8_t* w, int64_t k, uint16_t* y, int64_t ldy, int64_t cols) {
+  constexpr int vecs = pass_vecs(Rows);
+  for (int64_t first = 0; first < kBlock && first < cols; first += vecs * kLanes)
+    i8_pass<Rows, vecs>(x, ldx, w, k, first, y, ldy, cols);
 }
 
 using I8Fn = void (*)(const float*, int64_t, const int8_t*, int64_t, uint16_t*, int64_t, int64_t);
 constexpr I8Fn kI8Rows[kTileRows] = {i8_rows<1>, i8_rows<2>, i8_rows<3>, i8_rows<4>, i8_rows<5>, i8_rows<6>};
 
+#if defined(__AMX_TILE__)
 // AMX needs the kernel's leave to use the tile data (Linux: once per process)
 bool amx_permitted() {
   constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
@@ -441,14 +490,14 @@ bool amx_permitted() {
 }
 
 bool amx_supported(int64_t pairs) { return pairs % kAmxPairs == 0; }
+#else
+bool amx_permitted() { return false; }   // a build without AMX code
+#endif
 
-// bf16 -> fp32 (a bf16 is the top half of its fp32), 16 at a time
+// bf16 -> fp32 (a bf16 is the top half of its fp32), kLanes at a time
 void widen(const uint16_t* from, float* to, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i));
-    _mm512_storeu_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-  }
+  for (; i + kLanes <= n; i += kLanes) Vec::load(from + i).store(to + i);
   for (; i < n; ++i) {
     const uint32_t wide = static_cast<uint32_t>(from[i]) << 16;
     std::memcpy(to + i, &wide, sizeof(float));
@@ -499,8 +548,12 @@ void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, co
   if (!dot) widen(x, xf.data(), static_cast<int64_t>(xf.size()));
   const char* xp = dot ? reinterpret_cast<const char*>(x) : reinterpret_cast<const char*>(xf.data());
   const int64_t x_row_bytes = ldx * (dot ? 2 : 4), pairs = w.k / 2;
+#if defined(__AVX512BF16__)
   const Loops& loops = dot ? kDotLoops : kFmaLoops;
-  whiflash::for_each_tile(columns, kBlock, rows, kTileRows, loops.pair_rows, [&](int64_t blk, int64_t count,
+#else
+  const Loops& loops = kFmaLoops;   // set_gemm_variant offers no other loop in this build
+#endif
+  whiflash::for_each_tile(columns, kBlock, rows, kWalkRows, loops.pair_rows, [&](int64_t blk, int64_t count,
                                                                                  int64_t col, int64_t cols, int64_t r,
                                                                                  int64_t n) {
     const BlockFn fn = count == 2 ? loops.pair[n - 1] : loops.rows[n - 1];
@@ -516,7 +569,9 @@ void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, const f
           int64_t out_features, const Fused& f) {
   const int64_t columns = f.silu ? 2 * out_features : out_features;
   const int64_t variant = g_variant.load(std::memory_order_relaxed);
+#if defined(__AMX_TILE__)
   if (variant == kAmx && amx_supported(w.k / 2)) return amx_linear(x, ldx, rows, w, bias, y, out_features, f);
+#endif
   std::vector<uint16_t> normed(f.norm ? rows * ldx : 0);
   if (f.norm) whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, ldx, f.h, 0, rows, normed.data());
   const uint16_t* in = f.norm ? normed.data() : x;
@@ -596,7 +651,11 @@ std::tuple<at::Tensor, at::Tensor> linear_norm_bf16(const at::Tensor& x, const c
 int64_t set_gemm_variant(int64_t variant) {
   TORCH_CHECK(variant == kFma || variant == kDot || variant == kAmx, "set_gemm_variant: 0 (FMA), 1 (DOT) or 2 (AMX), "
               "got ", variant);
-  TORCH_CHECK(variant != kAmx || amx_permitted(), "set_gemm_variant: the OS does not let this process use AMX");
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(variant == kFma, "set_gemm_variant: this build of the kernels has the FMA loop only");
+#endif
+  TORCH_CHECK(variant != kAmx || amx_permitted(), "set_gemm_variant: the OS does not let this process use AMX",
+              " (or this build has no AMX code)");
   return g_variant.exchange(variant);
 }
 
@@ -630,6 +689,10 @@ extern "C" AOTITorchError aoti_torch_cpu_linear_norm_bf16(AtenTensorHandle x, At
                                   optional(bias), out_features, silu != 0);
       give(std::move(std::get<0>(out)), y); give(std::move(std::get<1>(out)), h);)
 }
+
+// The build, readable in the file without loading it (kernels/build.py library_build): a library is loaded only on
+// a CPU that runs its build's instructions
+extern "C" __attribute__((used)) const char whiflash_build_marker[] = "whiflash-kernels-build=" WHIFLASH_BUILD;
 
 bool whiflash::amx_selected() { return g_variant.load(std::memory_order_relaxed) == kAmx; }
 

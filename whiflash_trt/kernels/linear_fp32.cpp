@@ -1,13 +1,13 @@
-// whiflash::linear_fp32: y = x W^T (+ bias) for fp32 x [M, K] and an fp32 weight W [N, K], on AVX-512 CPUs: the
-// fp32 engine's GEMM. MKL sums a row of an fp32 GEMM in an order that depends on the row count, differently per
-// CPU (the Intel Xeon: 17+ rows differ from 2-16; an AMD EPYC Zen 4: 4+ rows differ from 1-3), so a verify row
-// would not equal its decode row; this one fixes the order.
+// whiflash::linear_fp32: y = x W^T (+ bias) for fp32 x [M, K] and an fp32 weight W [N, K], on AVX2 and AVX-512
+// CPUs (simd.h): the fp32 engine's GEMM. MKL sums a row of an fp32 GEMM in an order that depends on the row count,
+// differently per CPU (the Intel Xeon: 17+ rows differ from 2-16; an AMD EPYC Zen 4: 4+ rows differ from 1-3), so a
+// verify row would not equal its decode row; this one fixes the order.
 //
 // Row invariance by construction: every output y[m, n] is one fp32 accumulator lane that adds x[m, k] * W[n, k]
 // with fp32 FMAs for k = 0, 1, ... in order, then the bias. Nothing depends on M, on the row's place in the call or
 // on the thread count (tests/test_kernels.py).
 //
-// The weight is packed once (whiflash_trt/kernels/__init__.py pack_weight): [N/64, K, 64] fp32, a block of 64
+// The weight is packed once (whiflash_trt/kernels/ops.py pack_weight): [N/64, K, 64] fp32, a block of 64
 // outputs streaming as one contiguous run. Up to 6 rows read each weight once per call, more from cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,35 +18,55 @@
 #include <cstdint>
 
 #include "gemm_blocks.h"
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t kBlock = 64;          // outputs per packed block: four zmm of accumulators
+using whiflash::kLanes;
+using whiflash::Vec;
+
+constexpr int64_t kBlock = 64;          // outputs per packed block
+constexpr int kVecs = kBlock / kLanes;  // vectors of outputs per block: 4 zmm or 8 ymm
 constexpr int kPrefetchBytes = 8192;    // software prefetch (to L2) distance along a block
-constexpr int kTileRows = 6;            // rows of x per pass over a block: 24 accumulators + a weight in 32 zmm
+constexpr int kTileRows = 6;            // rows of x per pass over a block
+
+// Vectors of one block's outputs a pass of `rows` rows accumulates (as linear_bf16.cpp's pass_vecs)
+constexpr int pass_vecs(int rows) {
+  int vecs = kVecs;
+  while (vecs > 1 && rows * vecs > whiflash::kAccumulators) vecs /= 2;
+  return vecs;
+}
+
+// Outputs first .. first + Vecs kLanes - 1 of one block, for Rows rows
+template <int Rows, int Vecs>
+void block_pass(const float* x, int64_t ldx, const float* w, int64_t depth, int64_t first, const float* bias,
+                float* y, int64_t ldy, int64_t cols) {
+  Vec acc[Rows][Vecs];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Vecs; ++j) acc[r][j] = Vec::zero();
+  for (int64_t k = 0; k < depth; ++k) {
+    const float* wk = w + k * kBlock + first;
+    for (int line = 0; line < Vecs * kLanes; line += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(wk + line) + kPrefetchBytes, _MM_HINT_T1);
+    for (int j = 0; j < Vecs; ++j) {
+      const Vec wv = Vec::load(wk + kLanes * j);
+      for (int r = 0; r < Rows; ++r) acc[r][j] = fma(Vec::all(x[r * ldx + k]), wv, acc[r][j]);
+    }
+  }
+  for (int j = 0; j < Vecs; ++j) {
+    const int64_t left = cols - first - kLanes * j;
+    if (left <= 0) break;
+    const Vec b = bias ? Vec::load(bias + first + kLanes * j, left) : Vec::zero();
+    for (int r = 0; r < Rows; ++r) (acc[r][j] + b).store(y + r * ldy + first + kLanes * j, left);
+  }
+}
 
 template <int Rows>
 void block_rows(const float* x, int64_t ldx, const float* w, int64_t depth, const float* bias, float* y,
                 int64_t ldy, int64_t cols) {
-  __m512 acc[Rows][4];
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < depth; ++k) {
-    const float* wk = w + k * kBlock;
-    for (int j = 0; j < 4; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * j) + kPrefetchBytes, _MM_HINT_T1);
-    for (int j = 0; j < 4; ++j) {
-      const __m512 wv = _mm512_loadu_ps(wk + 16 * j);
-      for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, acc[r][j]);
-    }
-  }
-  for (int j = 0; j < 4; ++j) {
-    const int64_t left = cols - 16 * j;
-    if (left <= 0) break;
-    const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + 16 * j) : _mm512_setzero_ps();
-    for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, keep, _mm512_add_ps(acc[r][j], b));
-  }
+  constexpr int vecs = pass_vecs(Rows);
+  for (int64_t first = 0; first < kBlock && first < cols; first += vecs * kLanes)
+    block_pass<Rows, vecs>(x, ldx, w, depth, first, bias, y, ldy, cols);
 }
 
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);

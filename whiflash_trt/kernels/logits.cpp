@@ -28,6 +28,11 @@
 
 namespace {
 
+using whiflash::Index;
+using whiflash::kLanes;
+using whiflash::Mask;
+using whiflash::Vec;
+
 // What a part z[begin, end) of a row contributes to its route signal: its two largest values, and with e = exp(z -
 // top) over the part, S = sum e and W = sum e (z - top) (a -inf adds nothing to either; both zero where the part
 // holds no value above -inf).
@@ -38,18 +43,17 @@ struct SignalPart {
 
 template <typename T>
 SignalPart signal_part(const T* z, int64_t begin, int64_t end) {
-  const __m512 lowest = _mm512_set1_ps(-INFINITY);
-  __m512 first = lowest, second = lowest;   // per lane: its largest and second largest value
-  for (int64_t i = begin; i < end; i += 16) {
-    const __mmask16 m = whiflash::lanes(end - i);
-    const __m512 v = _mm512_mask_mov_ps(lowest, m, whiflash::load16(z + i, m));
-    second = _mm512_max_ps(second, _mm512_min_ps(first, v));
-    first = _mm512_max_ps(first, v);
+  const Vec lowest = Vec::all(-INFINITY);
+  Vec first = lowest, second = lowest;   // per lane: its largest and second largest value
+  for (int64_t i = begin; i < end; i += kLanes) {
+    const Vec v = select(Mask::first(end - i), Vec::load(z + i, end - i), lowest);
+    second = max(second, min(first, v));
+    first = max(first, v);
   }
-  // the two largest of the 32 lane candidates are the two largest values (each candidate is its own element)
-  alignas(64) float cand[32];
-  _mm512_store_ps(cand, first);
-  _mm512_store_ps(cand + 16, second);
+  // the two largest of the 2 kLanes lane candidates are the two largest values (each candidate is its own element)
+  float cand[2 * kLanes];
+  first.store(cand);
+  second.store(cand + kLanes);
   SignalPart part;
   for (float c : cand) {
     if (c > part.top) {
@@ -60,18 +64,17 @@ SignalPart signal_part(const T* z, int64_t begin, int64_t end) {
     }
   }
   if (part.top == -INFINITY) return part;
-  const __m512 shift = _mm512_set1_ps(part.top);
-  __m512 sum = _mm512_setzero_ps(), weighted = _mm512_setzero_ps();
-  for (int64_t i = begin; i < end; i += 16) {
-    const __mmask16 m = whiflash::lanes(end - i);
-    const __m512 v = whiflash::load16(z + i, m);
-    const __mmask16 counted = _mm512_mask_cmp_ps_mask(m, v, lowest, _CMP_GT_OQ);   // -inf (e = 0) adds 0
-    const __m512 d = _mm512_maskz_sub_ps(counted, v, shift);
-    const __m512 e = _mm512_maskz_mov_ps(counted, whiflash::exp16(d));
-    sum = _mm512_add_ps(sum, e);
-    weighted = _mm512_fmadd_ps(e, d, weighted);
+  const Vec shift = Vec::all(part.top);
+  Vec sum = Vec::zero(), weighted = Vec::zero();
+  for (int64_t i = begin; i < end; i += kLanes) {
+    const Vec v = Vec::load(z + i, end - i);
+    const Mask counted = Mask::first(end - i) & greater(v, lowest);   // -inf (e = 0) adds 0
+    const Vec d = select(counted, v - shift, Vec::zero());
+    const Vec e = select(counted, whiflash::exp(d), Vec::zero());
+    sum = sum + e;
+    weighted = fma(e, d, weighted);
   }
-  part.s = _mm512_reduce_add_ps(sum), part.w = _mm512_reduce_add_ps(weighted);
+  part.s = reduce_add(sum), part.w = reduce_add(weighted);
   return part;
 }
 
@@ -111,39 +114,35 @@ inline std::pair<float, int64_t> better(std::pair<float, int64_t> a, std::pair<f
 // chosen); index -1 where the range holds no value above -inf.
 template <typename T>
 std::pair<float, int64_t> argmax_in(const T* z, int64_t begin, int64_t end) {
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __m512i where = _mm512_set1_epi32(0);
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(begin)),
-                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  for (int64_t i = begin; i < end; i += 16) {
-    const __mmask16 m = whiflash::lanes(end - i);
-    const __m512 v = whiflash::load16(z + i, m);
-    const __mmask16 more = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, more, v);
-    where = _mm512_mask_mov_epi32(where, more, index);
-    index = _mm512_add_epi32(index, step);
+  Vec best = Vec::all(-INFINITY);
+  Index where = Index::iota(0);
+  Index index = Index::iota(static_cast<int32_t>(begin));
+  for (int64_t i = begin; i < end; i += kLanes) {
+    const Vec v = Vec::load(z + i, end - i);
+    const Mask more = Mask::first(end - i) & greater(v, best);
+    best = select(more, v, best);
+    where = where.where(more, index);
+    index = index.next();
   }
-  alignas(64) float value[16];
-  alignas(64) int32_t at[16];
-  _mm512_store_ps(value, best);
-  _mm512_store_epi32(at, where);
+  float value[kLanes];
+  int32_t at[kLanes];
+  best.store(value);
+  where.store(at);
   std::pair<float, int64_t> chosen{-INFINITY, -1};
-  for (int lane = 0; lane < 16; ++lane) chosen = better(chosen, {value[lane], value[lane] > -INFINITY ? at[lane] : -1});
+  for (int lane = 0; lane < kLanes; ++lane)
+    chosen = better(chosen, {value[lane], value[lane] > -INFINITY ? at[lane] : -1});
   return chosen;
 }
 
 // The k largest values of a row, largest first (ties: the smaller index first; NaN never chosen), into value/at;
-// returns how many it found (fewer than k only where the row holds fewer non-NaN values). One pass: 16 values at a
-// time are compared with the k-th best so far, and the few that beat it are inserted in order.
+// returns how many it found (fewer than k only where the row holds fewer non-NaN values). One pass: kLanes values
+// at a time are compared with the k-th best so far, and the few that beat it are inserted in order.
 template <typename T>
 int64_t topk_of(const T* z, int64_t n, int64_t k, float* value, int64_t* at) {
   int64_t count = 0;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = whiflash::lanes(n - i);
-    const __m512 v = whiflash::load16(z + i, m);
-    __mmask16 enter = count < k ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_ORD_Q)
-                                : _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(value[k - 1]), _CMP_GT_OQ);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Vec v = Vec::load(z + i, n - i);
+    unsigned enter = (Mask::first(n - i) & (count < k ? ordered(v) : greater(v, Vec::all(value[k - 1])))).bits();
     while (enter) {
       const int lane = __builtin_ctz(enter);
       enter &= enter - 1;
@@ -162,24 +161,21 @@ int64_t topk_of(const T* z, int64_t n, int64_t k, float* value, int64_t* at) {
   return count;
 }
 
-// log sum_j exp(z_j) of a row (the max, then the sum of exp(z - max) in 16 lanes, reduced once)
+// log sum_j exp(z_j) of a row (the max, then the sum of exp(z - max) in kLanes lanes, reduced once)
 template <typename T>
 float log_sum_exp(const T* z, int64_t n) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = whiflash::lanes(n - i);
-    top = _mm512_mask_max_ps(top, m, top, whiflash::load16(z + i, m));
+  Vec top = Vec::all(-INFINITY);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Mask m = Mask::first(n - i);
+    top = select(m, max(top, Vec::load(z + i, n - i)), top);
   }
-  const float most = _mm512_reduce_max_ps(top);
+  const float most = reduce_max(top);
   if (!std::isfinite(most)) return most;
-  const __m512 shift = _mm512_set1_ps(most);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = whiflash::lanes(n - i);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, whiflash::exp16(_mm512_sub_ps(whiflash::load16(z + i, m),
-                                                                                   shift))));
-  }
-  return most + std::log(_mm512_reduce_add_ps(sum));
+  const Vec shift = Vec::all(most);
+  Vec sum = Vec::zero();
+  for (int64_t i = 0; i < n; i += kLanes)
+    sum = sum + select(Mask::first(n - i), whiflash::exp(Vec::load(z + i, n - i) - shift), Vec::zero());
+  return most + std::log(reduce_add(sum));
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& logits, int64_t k, bool log_softmax) {

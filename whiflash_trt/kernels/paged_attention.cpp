@@ -5,15 +5,17 @@
 // the pool, q as each task reads it on the AMX path and into a copy on the other.
 //
 // Two paths: bf16 heads of a multiple of 64 dims in a process whose GEMM loop is AMX take attention_amx.cpp's (tiles
-// for every query vector that shares the keys); every other call the AVX-512 one below. A process takes one path for
-// every call, so both halves of a verify-versus-decode comparison round alike.
+// for every query vector that shares the keys); every other call the vector one below (simd.h: kLanes = 8 fp32
+// lanes on AVX2, 16 on AVX-512). A process takes one path for every call, so both halves of a verify-versus-decode
+// comparison round alike.
 //
 // Row invariance by construction: a row's keys are cut into two runs at a point that depends on their number alone
 // (split_at); one (row, run, KV head) is computed by one thread, in a fixed order that depends only on its query and
-// its keys: scores q.k 16 keys at a time (each key's 16 partial lanes over head_dim, bf16 by VDPBF16PS and fp32 by
-// FMAs, reduced by one fixed tree), the max, exp(s - max) 16 keys at a time and their sum (16 lanes, then a fixed
-// reduction), then sum_j p_j v_j in key order (16 lanes over head_dim; bf16 heads of a multiple of 32 dims: p rounded
-// to bf16, as flash attention does, and keys two at a time by VDPBF16PS). The two runs' sums are then merged under
+// its keys: scores q.k kLanes keys at a time (each key's kLanes partial lanes over head_dim, by FMAs, bf16 in an
+// AVX-512 BF16 build by VDPBF16PS; reduced by one fixed tree), the max, exp(s - max) kLanes keys at a time and their
+// sum (kLanes lanes, then a fixed reduction), then sum_j p_j v_j in key order (kLanes lanes over head_dim; in an
+// AVX-512 BF16 build, bf16 heads of a multiple of 32 dims: p rounded to bf16, as flash attention does, and keys two
+// at a time by VDPBF16PS). The two runs' sums are then merged under
 // their common max. A verify row, a tree node or a row of a batched call equals the same position fed alone, bit for
 // bit (tests/test_kernels.py).
 //
@@ -52,36 +54,45 @@ using whiflash::Partial;
 using whiflash::Rope;
 using whiflash::split_at;
 using whiflash::exp_weights;
-using whiflash::lanes;
-using whiflash::load16;
-using whiflash::store16;
+using whiflash::kLanes;
+using whiflash::Mask;
+using whiflash::Vec;
 
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxDim = 256;
 
-// bf16 heads of an even number of 16-lane vectors weigh their values in pairs of keys (weigh_pairs)
+// bf16 heads of an even number of 16-lane vectors weigh their values in pairs of keys (weigh_pairs, AVX-512 BF16
+// builds)
+#if defined(__AVX512BF16__)
 template <typename T, int Vecs>
 constexpr bool kPairs = std::is_same_v<T, at::BFloat16> && Vecs % 2 == 0;
+#else
+template <typename T, int Vecs>
+constexpr bool kPairs = false;
+#endif
 
-// sum_j p[h][j] v_j for G heads (accumulators in registers), keys in order, p already exp'd; -> acc_out[G][Vecs*16]
+// sum_j p[h][j] v_j for G heads (accumulators in registers), keys in order, p already exp'd; -> acc_out[G][Vecs *
+// kLanes]
 template <typename T, int Vecs, int G>
 void weigh_values(const float* p, int64_t ld, const T* v_pool, int64_t slot_stride, const int64_t* slots,
                   int64_t keys, int64_t dim, float* acc_out) {
-  __m512 acc[G][Vecs];
+  Vec acc[G][Vecs];
   for (int h = 0; h < G; ++h)
-    for (int i = 0; i < Vecs; ++i) acc[h][i] = _mm512_setzero_ps();
+    for (int i = 0; i < Vecs; ++i) acc[h][i] = Vec::zero();
   for (int64_t j = 0; j < keys; ++j) {
     const T* v = v_pool + slots[j] * slot_stride;
-    __m512 vv[Vecs];
-    for (int i = 0; i < Vecs; ++i) vv[i] = load16(v + 16 * i, lanes(dim - 16 * i));
+    Vec vv[Vecs];
+    for (int i = 0; i < Vecs; ++i) vv[i] = Vec::load(v + kLanes * i, dim - kLanes * i);
     for (int h = 0; h < G; ++h) {
-      const __m512 w = _mm512_set1_ps(p[h * ld + j]);
-      for (int i = 0; i < Vecs; ++i) acc[h][i] = _mm512_fmadd_ps(w, vv[i], acc[h][i]);
+      const Vec w = Vec::all(p[h * ld + j]);
+      for (int i = 0; i < Vecs; ++i) acc[h][i] = fma(w, vv[i], acc[h][i]);
     }
   }
   for (int h = 0; h < G; ++h)
-    for (int i = 0; i < Vecs; ++i) _mm512_store_ps(acc_out + (h * Vecs + i) * 16, acc[h][i]);
+    for (int i = 0; i < Vecs; ++i) acc[h][i].store(acc_out + (h * Vecs + i) * kLanes);
 }
+
+#if defined(__AVX512BF16__)
 
 // weigh_values for bf16 values of head_dim Vecs * 16 (Vecs even) and weights p as bf16, packed by pairs (p_j in
 // the low half of dword j / 2 of a head's row, p_{j+1} in its high half; an odd last key pairs with zero): keys two
@@ -127,22 +138,39 @@ void weigh_pairs(const float* p, int64_t ld, const at::BFloat16* v_pool, int64_t
   }
 }
 
+#endif
+
 // G heads' values: in pairs of keys where `paired` (kPairs and head_dim Vecs * 16), else one key at a time
 template <typename T, int Vecs, int G>
 void weigh(bool paired, const float* p, int64_t ld, const T* v_pool, int64_t slot_stride, const int64_t* slots,
            int64_t keys, int64_t dim, float* acc_out) {
+#if defined(__AVX512BF16__)
   if constexpr (kPairs<T, Vecs>) {
     if (paired) return weigh_pairs<Vecs, G>(p, ld, v_pool, slot_stride, slots, keys, acc_out);
   }
+#endif
   weigh_values<T, Vecs, G>(p, ld, v_pool, slot_stride, slots, keys, dim, acc_out);
 }
 
-// A head's query, ready for q.k against keys of type T: bf16 keeps its pairs (one VDPBF16PS per 32 elements: each
-// product exact in fp32, a pair's two added into its lane as the hardware does), fp32 its 16-lane vectors (FMAs).
-// dot() gives 16 fp32 lanes whose sum is q.k; how a key's elements fall into lanes depends on head_dim alone.
+// A head's query, ready for q.k against keys of type T, as Vecs vectors of fp32 (bf16 widened, exact): FMAs over
+// head_dim. In an AVX-512 BF16 build bf16 keeps its pairs (one VDPBF16PS per 32 elements: each product exact in
+// fp32, a pair's two added into its lane as the hardware does). dot() gives kLanes fp32 lanes whose sum is q.k; how
+// a key's elements fall into lanes depends on head_dim alone.
 template <typename T, int Vecs>
-struct Query;
+struct Query {
+  Vec q[Vecs];
+  int64_t dim;
+  Query(const T* p, int64_t dim) : dim(dim) {
+    for (int i = 0; i < Vecs; ++i) q[i] = Vec::load(p + kLanes * i, dim - kLanes * i);
+  }
+  Vec dot(const T* k) const {
+    Vec acc = Vec::zero();
+    for (int i = 0; i < Vecs; ++i) acc = fma(q[i], Vec::load(k + kLanes * i, dim - kLanes * i), acc);
+    return acc;
+  }
+};
 
+#if defined(__AVX512BF16__)
 template <int Vecs>
 struct Query<at::BFloat16, Vecs> {
   static constexpr int kRegs = (Vecs + 1) / 2;   // 32 bf16 per register
@@ -155,88 +183,54 @@ struct Query<at::BFloat16, Vecs> {
       q[i] = (__m512bh)_mm512_maskz_loadu_epi16(m[i], p + 32 * i);
     }
   }
-  __m512 dot(const at::BFloat16* k) const {
+  Vec dot(const at::BFloat16* k) const {
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < kRegs; ++i)
       acc = _mm512_dpbf16_ps(acc, q[i], (__m512bh)_mm512_maskz_loadu_epi16(m[i], k + 32 * i));
-    return acc;
+    return {acc};
   }
 };
-
-template <int Vecs>
-struct Query<float, Vecs> {
-  __m512 q[Vecs];
-  __mmask16 m[Vecs];
-  Query(const float* p, int64_t dim) {
-    for (int i = 0; i < Vecs; ++i) {
-      m[i] = lanes(dim - 16 * i);
-      q[i] = _mm512_maskz_loadu_ps(m[i], p + 16 * i);
-    }
-  }
-  __m512 dot(const float* k) const {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < Vecs; ++i) acc = _mm512_fmadd_ps(q[i], _mm512_maskz_loadu_ps(m[i], k + 16 * i), acc);
-    return acc;
-  }
-};
-
-// Lane j of the result is the sum of d[j]'s 16 lanes, every d[j] reduced by the same tree: within each 128-bit
-// quarter (x0 + x2) + (x1 + x3), then (Q0 + Q1) + (Q2 + Q3). 15 adds for 16 sums, where one _mm512_reduce_add_ps
-// per key costs a chain of 4.
-inline __m512 sum_lanes16(const __m512 (&d)[16]) {
-  __m512 t[8], u[4], v[2];
-  for (int i = 0; i < 8; ++i)   // quarter lanes [a0+a2, b0+b2, a1+a3, b1+b3] of a = d[2i], b = d[2i+1]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // each quarter: the quarter sums of d[4i .. 4i+3], in order
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)   // [u.Q0 + u.Q1, u.Q2 + u.Q3] of u[2i], then of u[2i+1]
-    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
-}
+#endif
 
 // Decode and verify find a layer's K/V out of cache (the weights streamed through since): while the first head
 // scores a chunk, fetch the next chunk's keys and this chunk's values (read after the softmax) into L1.
 template <typename T>
 inline void prefetch_chunk(const T* k_pool, const T* v_pool, int64_t slot_stride, const int64_t* slots, int64_t j0,
                            int64_t keys, int64_t bytes) {
-  const int64_t next = std::min<int64_t>(keys, j0 + 32);
-  for (int64_t j = j0 + 16; j < next; ++j)
+  const int64_t next = std::min<int64_t>(keys, j0 + 2 * kLanes);
+  for (int64_t j = j0 + kLanes; j < next; ++j)
     for (int64_t b = 0; b < bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(k_pool + slots[j] * slot_stride) + b, _MM_HINT_T0);
-  for (int64_t j = j0; j < std::min<int64_t>(keys, j0 + 16); ++j)
+  for (int64_t j = j0; j < std::min<int64_t>(keys, j0 + kLanes); ++j)
     for (int64_t b = 0; b < bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(v_pool + slots[j] * slot_stride) + b, _MM_HINT_T0);
 }
 
-// One row's heads that share a KV head (a GQA group), over one run of its keys. Scores 16 keys at a time per head
+// One row's heads that share a KV head (a GQA group), over one run of its keys. Scores kLanes keys at a time per
+// head
 // (the keys stay in L1 across the group's heads), then softmax and values; each value is loaded and widened once for
 // all heads. A head's bits depend on its query and its keys alone (not on the group, the row's place in the call,
-// or the thread). Vecs = ceil(head_dim / 16).
+// or the thread). Vecs = ceil(head_dim / kLanes).
 template <typename T, int Vecs>
 void attend_group(const T* q, int64_t group, const T* k_pool, const T* v_pool, int64_t slot_stride,
                   const int64_t* slots, int64_t keys, int64_t dim, float scale, float* scores, int64_t ld,
                   Partial<Vecs>* out) {
-  alignas(64) float acc[kMaxGroup][Vecs * 16];
+  alignas(64) float acc[kMaxGroup][Vecs * kLanes];
   float top[kMaxGroup], total[kMaxGroup];
   const bool paired = kPairs<T, Vecs> && dim == Vecs * 16;   // bf16 values, p rounded to bf16 (weigh_pairs)
   for (int64_t h = 0; h < group; ++h) {
     const Query<T, Vecs> qh(q + h * dim, dim);
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < keys; j0 += 16) {
-      const int64_t n = std::min<int64_t>(16, keys - j0);
+    Vec best = Vec::all(-INFINITY);
+    for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, keys - j0);
       if (h == 0) prefetch_chunk(k_pool, v_pool, slot_stride, slots, j0, keys, dim * sizeof(T));
-      __m512 d[16];
-      for (int64_t j = 0; j < 16; ++j)
-        d[j] = j < n ? qh.dot(k_pool + slots[j0 + j] * slot_stride) : _mm512_setzero_ps();
-      const __mmask16 m = lanes(n);
-      const __m512 s = _mm512_mul_ps(sum_lanes16(d), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + h * ld + j0, m, s);
-      best = _mm512_mask_max_ps(best, m, best, s);
+      Vec d[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) d[j] = j < n ? qh.dot(k_pool + slots[j0 + j] * slot_stride) : Vec::zero();
+      const Vec s = whiflash::sum_lanes(d) * Vec::all(scale);
+      s.store(scores + h * ld + j0, n);
+      best = select(Mask::first(n), max(best, s), best);
     }
-    top[h] = _mm512_reduce_max_ps(best);
+    top[h] = reduce_max(best);
   }
   // the weights; paired, p goes back as bf16 over the first half of the head's row
   for (int64_t h = 0; h < group; ++h) {
@@ -294,14 +288,15 @@ void attend(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots,
 template <typename T>
 void attend_dim(const at::Tensor& q, const Layer& pool, const at::Tensor& row_slots, const at::Tensor& row_len,
                 double scale, at::Tensor& out) {
+  constexpr int per16 = 16 / kLanes;   // vectors per 16 dims
   switch ((q.size(2) + 15) / 16) {
-    case 1: return attend<T, 1>(q, pool, row_slots, row_len, scale, out);
-    case 2: return attend<T, 2>(q, pool, row_slots, row_len, scale, out);
-    case 3: return attend<T, 3>(q, pool, row_slots, row_len, scale, out);
-    case 4: return attend<T, 4>(q, pool, row_slots, row_len, scale, out);
-    case 5: case 6: return attend<T, 6>(q, pool, row_slots, row_len, scale, out);
-    case 7: case 8: return attend<T, 8>(q, pool, row_slots, row_len, scale, out);
-    default: return attend<T, 16>(q, pool, row_slots, row_len, scale, out);
+    case 1: return attend<T, 1 * per16>(q, pool, row_slots, row_len, scale, out);
+    case 2: return attend<T, 2 * per16>(q, pool, row_slots, row_len, scale, out);
+    case 3: return attend<T, 3 * per16>(q, pool, row_slots, row_len, scale, out);
+    case 4: return attend<T, 4 * per16>(q, pool, row_slots, row_len, scale, out);
+    case 5: case 6: return attend<T, 6 * per16>(q, pool, row_slots, row_len, scale, out);
+    case 7: case 8: return attend<T, 8 * per16>(q, pool, row_slots, row_len, scale, out);
+    default: return attend<T, 16 * per16>(q, pool, row_slots, row_len, scale, out);
   }
 }
 
@@ -335,7 +330,7 @@ void write_rows(char* layer, const Layer& pool, const at::Tensor& rows, const in
   }
 }
 
-// q [T, heads, D] as the AVX-512 path reads it: contiguous, rotated with `rope`
+// q [T, heads, D] as the vector path reads it: contiguous, rotated with `rope`
 template <typename T>
 at::Tensor queries(const at::Tensor& q, const Rope* rope) {
   if (rope == nullptr) return q.contiguous();
@@ -402,27 +397,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     write_rows<float>(pool.v, pool, v, write, nullptr);
   }
   at::Tensor slots = row_slots.contiguous(), len = row_len.contiguous();
-  // every key a row reads lies in the pool: 8 slots per unsigned compare (a negative slot compares as a huge one);
-  // aten reductions would cost microseconds per layer
+  // every key a row reads lies in the pool: one unsigned compare per slot (a negative slot compares as a huge one),
+  // which the compiler vectorises; aten reductions would cost microseconds per layer
   const int64_t width = slots.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = len.data_ptr<int64_t>();
-  const __m512i limit = _mm512_set1_epi64(pool.slots);
+  const uint64_t limit = static_cast<uint64_t>(pool.slots);
   for (int64_t t = 0; t < len.numel(); ++t) {
     TORCH_CHECK(lp[t] >= 1 && lp[t] <= width, "paged_attention: every row sees between 1 and W keys");
-    __mmask8 outside = 0;
-    for (int64_t j = 0; j < lp[t]; j += 8) {
-      const __mmask8 m = lp[t] - j >= 8 ? 0xFF : static_cast<__mmask8>((1u << (lp[t] - j)) - 1);
-      outside |= _mm512_mask_cmpge_epu64_mask(m, _mm512_maskz_loadu_epi64(m, sp + t * width + j), limit);
-    }
-    TORCH_CHECK(outside == 0, "paged_attention: a read slot is outside the pool");
+    bool outside = false;
+    for (int64_t j = 0; j < lp[t]; ++j) outside |= static_cast<uint64_t>(sp[t * width + j]) >= limit;
+    TORCH_CHECK(!outside, "paged_attention: a read slot is outside the pool");
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
+#if defined(__AMX_TILE__)
   if (bf16 && whiflash::amx_selected() && whiflash::amx_fits(pool.dim)) {   // reads q in place, rotates it per task
     const at::Tensor qv = heads_in_place(q) ? q : q.contiguous();
     whiflash::attend_amx(qv.data_ptr<at::BFloat16>(), qv.stride(0), qv.size(0), qv.size(1), pool, sp, width, lp,
                          static_cast<float>(scale), rope, out.data_ptr<at::BFloat16>());
-  } else if (bf16) {
+    return out.view({q.size(0), q.size(1) * q.size(2)});
+  }
+#endif
+  if (bf16) {
     attend_dim<at::BFloat16>(queries<at::BFloat16>(q, rope), pool, slots, len, scale, out);
   } else {
     attend_dim<float>(queries<float>(q, rope), pool, slots, len, scale, out);

@@ -1,0 +1,65 @@
+"""The bf16 GEMM over SmolLM2-135M's linears (30 layers: fused QKV 960 x 576, o_proj 576 x 576, gate_up 3072 x 576,
+down 576 x 1536; the LM head 49152 x 576), against torch's fp32 F.linear on the same shapes, at 1 and 6 rows.
+Every weight is its own memory (269 MB bf16, 538 MB fp32), so both stream from memory as an engine's step does; the
+two run alternated in one process, `turns` times, and the medians are printed with the bytes read per second.
+
+    HOME=... python -m whiflash_trt.kernels.bench [--threads 2] [--turns 9]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from whiflash_trt import kernels
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
+SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [
+    (VOCAB, HIDDEN)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--turns", type=int, default=9)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kernels.ensure_loaded():
+        raise SystemExit("the kernels cannot be loaded here")
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES]
+    packed = [kernels.pack_weight(w) for w in weights]
+    fp32 = [w.float() for w in weights]
+    bf16_bytes = sum(w.numel() * 2 for w in weights)
+    xs = {rows: {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (HIDDEN, INTERMEDIATE)}
+          for rows in (1, 6)}
+
+    def kernel(rows: int) -> None:
+        for (n, k), w in zip(SHAPES, packed):
+            kernels.linear(xs[rows][k], w, None, n)
+
+    def reference(rows: int) -> None:
+        for (n, k), w in zip(SHAPES, fp32):
+            F.linear(xs[rows][k].float(), w)
+
+    runs = {(name, rows): [] for name in ("kernel", "torch") for rows in (1, 6)}
+    for _ in range(args.turns):
+        for rows in (1, 6):
+            for name, fn in (("kernel", kernel), ("torch", reference)):
+                start = time.perf_counter()
+                fn(rows)
+                runs[name, rows].append(time.perf_counter() - start)
+    print(f"ISA {kernels.loaded_isa()}, GEMM loop {kernels.gemm()}, {args.threads} threads, "
+          f"{kernels.cpuinfo('model name')}")
+    for (name, rows), seconds in runs.items():
+        med = statistics.median(seconds)
+        read = bf16_bytes * (2 if name == "torch" else 1)
+        print(f"{name:6} {rows} rows: {med * 1e3:7.2f} ms (min {min(seconds) * 1e3:.2f}), {read / med / 1e9:5.1f} GB/s "
+              f"of weights ({'fp32' if name == 'torch' else 'bf16'})")
+
+
+if __name__ == "__main__":
+    main()
