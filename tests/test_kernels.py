@@ -270,8 +270,6 @@ def test_frozen_linear_runs_on_the_kernel():
     assert FrozenLinear(w.float()).kernel_weight.dtype == torch.float32   # fp32: linear_fp32
 
 
-@pytest.mark.skipif(not kernels.onednn_bf16_supported(), reason="oneDNN's bf16 linear (FrozenLinear without the "
-                    "kernel) needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks")
 def test_frozen_linear_runs_on_the_kernel_only_when_asked():
     w, b = weights(576, 576, bias=True)
     x = torch.randn(2, 3, 576).bfloat16()
@@ -726,16 +724,6 @@ def test_each_isa_has_its_own_library_version(monkeypatch):
     assert versions["amx"] == versions["avx512bf16"]   # one build, the AMX loop chosen at run time
     assert len({versions["avx2"], versions["avx512"], versions["avx512bf16"]}) == 3
     assert all(v.startswith(kernels.build.BUILD_OF_ISA[isa]) for isa, v in versions.items())
-
-
-def test_onednn_bf16_is_supported_only_with_avx512_bw_vl_dq_or_avx_ne_convert(monkeypatch):
-    import platform
-
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    for flags, supported in ((AVX2_FLAGS, False), (AVX2_FLAGS + " avx512f avx512bw avx512vl", False),
-                             (AVX512_FLAGS, True), (AVX2_FLAGS + " avx_ne_convert", True)):
-        monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field, flags=flags: flags if field == "flags" else "")
-        assert kernels.onednn_bf16_supported() == supported, flags
 
 
 def test_the_loaded_library_is_the_build_of_this_isa(tmp_path):

@@ -31,7 +31,7 @@ CPU lacks AVX2 and FMA or no C++ compiler is found, nothing is loaded: the linea
 (models/layers.py FrozenLinear) and the attention models/attention.py's row-invariant torch version.
 """
 from whiflash_trt.kernels.build import DEFAULT_CACHE, LIBRARY, KernelBuildError, can_build
-from whiflash_trt.kernels.cpu import ISA_ENV, ISAS, cpu_supported, cpuinfo, isa, onednn_bf16_supported
+from whiflash_trt.kernels.cpu import ISA_ENV, ISAS, cpu_supported, cpuinfo, isa
 from whiflash_trt.kernels.ops import (BLOCK, C_SHIMS, GEMM_ENV, GEMM_VARIANTS, argmax_rows, available_gemms,
                                       c_shims, choose_gemm, compile_library, ensure_loaded, entropy_margin, gemm,
                                       int8_layers_pay, kv_prefill, linear, linear_norm, load, loaded_isa,
@@ -42,6 +42,6 @@ from whiflash_trt.kernels.ops import (BLOCK, C_SHIMS, GEMM_ENV, GEMM_VARIANTS, a
 __all__ = ["BLOCK", "C_SHIMS", "DEFAULT_CACHE", "GEMM_ENV", "GEMM_VARIANTS", "ISAS", "ISA_ENV", "LIBRARY",
            "KernelBuildError", "argmax_rows", "available_gemms", "c_shims", "can_build", "choose_gemm",
            "compile_library", "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "int8_layers_pay",
-           "isa", "kv_prefill", "linear", "linear_norm", "load", "loaded_isa", "measure_gemm", "onednn_bf16_supported",
+           "isa", "kv_prefill", "linear", "linear_norm", "load", "loaded_isa", "measure_gemm",
            "pack_gate_up", "pack_int8", "pack_weight", "paged_attention", "registered", "report_unavailable",
            "set_gemm", "supports", "swiglu", "topk_rows", "version"]

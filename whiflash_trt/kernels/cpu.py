@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 from pathlib import Path
-
-import torch
 
 # Each ISA and the /proc/cpuinfo flags it needs (each needs those of the ones before it too)
 ISA_FLAGS = {
@@ -68,15 +65,3 @@ def isa() -> str | None:
 def cpu_supported() -> bool:
     """The CPU runs the kernels in some ISA (read from /proc/cpuinfo; other systems: no)."""
     return isa() is not None
-
-
-def onednn_bf16_supported() -> bool:
-    """oneDNN's bf16 linear and reorder run here: on x86 they need AVX-512 BW, VL and DQ, or AVX-NE-CONVERT; on
-    aarch64, what torch reports for its bf16 support."""
-    machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64", "i686", "x86"):
-        flags = set(cpuinfo("flags").split())
-        return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
-    if machine in ("aarch64", "arm64"):
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return False

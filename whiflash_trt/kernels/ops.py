@@ -346,5 +346,5 @@ def topk_rows(logits: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[
 
 
 def report_unavailable(reason: str) -> None:
-    print(f"whiflash: the engine's CPU kernels are not used ({reason}); linears run on oneDNN, attention on torch",
+    print(f"whiflash: the engine's CPU kernels are not used ({reason}); linears and attention run on torch",
           file=sys.stderr)

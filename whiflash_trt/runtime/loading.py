@@ -47,8 +47,8 @@ def load_tokenizer(engine_dir: Path):
 
 def load_engine_kernels(engine_dir: Path, manifest: Manifest) -> None:
     """The engine's compiled kernels, where it carries them and they fit this machine and torch; otherwise its
-    linears run on oneDNN and its attention on torch (lossless still, with another rounding: greedy tokens can differ
-    at near-ties from the same engine run on the kernels), and the reason is printed."""
+    linears and attention run on torch (models.layers.FrozenLinear; lossless still, with another rounding: greedy
+    tokens can differ at near-ties from the same engine run on the kernels), and the reason is printed."""
     entry = manifest.kernels
     if not entry or kernels.registered():
         return
