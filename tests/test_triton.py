@@ -219,13 +219,22 @@ def test_non_streaming_request_returns_whiflash_run_text_and_stats(server):
 @pytest.mark.parametrize("mode", ["eagle3", "dflash", "whiflash"])
 def test_speculative_modes_through_triton_return_the_target_only_text(server, mode):
     want = server.expected[3]   # whiflash-run's default: target-only greedy
-    reply = grpc_generate(server.grpc_url, make_inputs(PROMPTS[3], extra={
-        "mode": _array(mode.encode(), np.object_), "threshold": _array(2.0, np.float32)}))
+    extra = {"mode": _array(mode.encode(), np.object_)}
+    if mode == "whiflash":   # a threshold applies to whiflash only (runtime.plan's option rule)
+        extra["threshold"] = _array(2.0, np.float32)
+    reply = grpc_generate(server.grpc_url, make_inputs(PROMPTS[3], extra=extra))
     assert reply.error is None
     assert "".join(reply.texts) == want["text"]
     assert reply.last["num_new_tokens"] == len(want["token_ids"])
     assert 0 < reply.last["num_rounds"] <= len(want["token_ids"])
     assert reply.last["acceptance_length"] >= 1.0
+
+
+def test_a_threshold_beside_a_mode_that_ignores_it_is_an_error_through_triton(server):
+    reply = grpc_generate(server.grpc_url, make_inputs(PROMPTS[3], extra={
+        "mode": _array(b"eagle3", np.object_), "threshold": _array(2.0, np.float32)}))
+    assert reply.error is not None and "threshold applies only to mode whiflash" in reply.error
+    assert reply.texts == []
 
 
 @pytest.mark.parametrize("mode", [None, "auto", "whiflash"])
