@@ -151,8 +151,8 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         assert train_main([kind, *common, *extra, "--output", str(split), "--steps", "4"]) == 0
         a, b = read_log(straight), read_log(split)
         assert [r["loss"] for r in a] == [r["loss"] for r in b], kind
-        wa = torch.load(straight / "state.pt", weights_only=False)["model"]
-        wb = torch.load(split / "state.pt", weights_only=False)["model"]
+        wa = torch.load(straight / "state.pt", weights_only=True)["model"]
+        wb = torch.load(split / "state.pt", weights_only=True)["model"]
         assert all(torch.equal(wa[k], wb[k]) for k in wa), kind
 
 
@@ -314,7 +314,7 @@ def test_sigterm_ends_a_training_run_with_a_checkpoint(workspace, tmp_path):
     finally:
         DFlashLoss.__call__ = original
     assert [r["step"] for r in read_log(out)] == [1, 2]          # the step in flight finished, then it stopped
-    assert torch.load(out / "state.pt", weights_only=False)["run"]["step"] == 2
+    assert torch.load(out / "state.pt", weights_only=True)["run"]["step"] == 2
     assert train_main(args) == 0
     assert [r["step"] for r in read_log(out)] == [1, 2, 3, 4, 5, 6]
 

@@ -100,7 +100,7 @@ def save_states(records: list[StateRecord], path: Path) -> None:
 
 
 def load_states(path: Path) -> list[StateRecord]:
-    t = torch.load(path)
+    t = torch.load(path, weights_only=True)
     cols = {c: t[c].tolist() for c in _STATE_COLUMNS}
     return [StateRecord(int(cols["seq"][i]), int(cols["position"][i]), int(cols["al_eagle3"][i]),
                         int(cols["al_dflash"][i]), cols["entropy"][i], t["hidden"][i], cols["margin"][i])
