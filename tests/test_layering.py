@@ -46,3 +46,26 @@ def test_package_layers_import_only_downwards():
             if layer == "runtime" and sub == "builder":
                 problems.append(f"runtime/{path.name}: imports {m} (runtime must not depend on the builder)")
     assert not problems, "\n".join(problems)
+
+
+def test_runtime_has_no_import_cycle():
+    """runtime/ modules import each other one way (engine -> batch -> round, never back), lazy imports included."""
+    runtime = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p
+               for p in (PACKAGE / "runtime").rglob("*.py")}
+    graph = {m: {i for i in imports(p) if i in runtime and i != m} for m, p in runtime.items()}
+    state: dict[str, str] = {}
+
+    def cycle_from(m: str, path: list[str]) -> list[str] | None:
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                return path + [m, n]
+            if n not in state and (found := cycle_from(n, path + [m])):
+                return found
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = cycle_from(m, [])
+            assert found is None, " -> ".join(found)

@@ -1,9 +1,5 @@
-"""The engine: a loaded engine directory (target, drafters, router, tokenizer, KV pools) and the round loop.
-
-Generation keeps the invariant of runtime.sequence: after prefill and after every round, the committed tokens are
-cached and one bonus token is pending. A round is route -> catch up -> propose -> verify -> commit; target-only
-decoding (`ar`) is the round with an empty draft. Only commit changes the Sequence.
-"""
+"""The engine: a loaded engine directory (target, drafters, router, tokenizer, KV pools), each request's plan, and
+generation as a batch of one (runtime.batch admits requests; runtime.round runs their rounds)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,20 +7,17 @@ import functools
 import json
 import math
 import sys
-import time
 from collections.abc import Collection, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from whiflash_trt import kernels
 from whiflash_trt.config import (DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, CacheConfig, DFlashTreeConfig,
                                  GenerationConfig, SpecConfig, TreeConfig)
 from whiflash_trt.errors import SpecError, WhiflashError
-from whiflash_trt.models.contracts import TargetOutput
+from whiflash_trt.runtime.batch import Batch
 from whiflash_trt.runtime.drafters import PROPOSERS, Proposer
 from whiflash_trt.runtime.kv_cache import KVCache, kv_layouts
 from whiflash_trt.runtime.loading import EngineParts, load_parts
@@ -34,14 +27,12 @@ from whiflash_trt.runtime.policy import resolve_spec
 from whiflash_trt.runtime.request import GenerationResult, Request
 from whiflash_trt.runtime.sequence import Sequence
 from whiflash_trt.runtime.stopping import StopChecker
-from whiflash_trt.runtime.target_runner import Feed, TargetRunner
+from whiflash_trt.runtime.round import slots_per_round
+from whiflash_trt.runtime.target_runner import TargetRunner
 from whiflash_trt.runtime.round_costs import (DEFAULT_CACHE as ROUND_COSTS_CACHE, LiveRoundSeconds,
                                              cached_round_seconds)
-from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, NO_DRAFT, EntropyRouter, NeuralRouter, Router,
-                                      ThroughputRouter, RouteSignal, route_signal)
-from whiflash_trt.spec.sampling import next_token, target_probs
-from whiflash_trt.spec.tree import DraftTree
-from whiflash_trt.spec.verify import verify_greedy, verify_sampling
+from whiflash_trt.spec.router import (DEFAULT_ENTROPY_THRESHOLD, EntropyRouter, NeuralRouter, Router,
+                                      ThroughputRouter)
 
 
 class Engine:
@@ -62,7 +53,7 @@ class Engine:
         self.proposers: dict[str, Proposer] = {
             name: PROPOSERS[name](m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
         # The throughput router (a v2 router file) weighs each choice by its seconds per round on this machine:
-        # calibrated at load, then kept current by the rounds (observe_round)
+        # calibrated at load, then kept current by the rounds a request runs alone (runtime.round)
         self.round_seconds = LiveRoundSeconds()
         self._warned_trees: set[str] = set()
         if self.router_file is not None and self.router_file.version == 2 and len(self.proposers) == 2:
@@ -139,10 +130,8 @@ class Engine:
         needed = MODE_DRAFTERS[spec.mode]
         missing = [n for n in needed if n not in self.proposers]
         if missing:
-            flag = {EAGLE3: "--ar-drafter", DFLASH: "--dllm-drafter"}
             raise SpecError(("mode",), f"{{mode}} {spec.mode} needs the {' and '.join(missing)} drafter, which this "
-                            f"engine does not have; rebuild it with whiflash-build "
-                            + " ".join(f"{flag[m]} PATH" for m in missing))
+                            f"engine does not have; rebuild it with whiflash-build and that drafter's checkpoint")
         return {n: self.proposers[n].for_spec(spec) for n in needed}
 
     def router_for(self, spec: SpecConfig) -> Router | None:
@@ -204,8 +193,6 @@ class Engine:
         see resolve_spec). Greedy output equals target-only output token for token; sampled output has the target's
         distribution. `on_tokens` receives each round's newly final tokens (streaming). A batch of one
         (runtime.batch runs many)."""
-        from whiflash_trt.runtime.batch import Batch
-
         batch = Batch(self)
         req = batch.submit(self.request(prompt_ids, gen, spec, on_tokens))
         batch.run()
@@ -234,143 +221,10 @@ class Engine:
         its pending bonus included, is still below the limit) and writes its draft past them."""
         prompt = len(req.seq.prompt_ids)
         limit = min(req.gen.max_new_tokens, self.target.config.max_position_embeddings - prompt)
-        slack = max((_slots_per_round(p) for p in req.proposers.values()), default=1)
+        slack = max((slots_per_round(p) for p in req.proposers.values()), default=1)
         return max(prompt, prompt + limit - 2 + slack)
 
     def kv_mb(self, num_slots: int) -> int:
         """KV memory (MB, rounded up) that `num_slots` slots take in every pool."""
         blocks = -(-num_slots // self.kv.block_size)
         return -(-blocks * self.kv.bytes_per_block_id // 2**20)
-
-    def prefill_feed(self, req: Request) -> Feed:
-        prompt = req.seq.prompt_ids
-        req.seq.reserve(len(prompt))
-        return Feed(req.seq, prompt, logits_rows=[len(prompt) - 1])
-
-    def prefilled(self, req: Request, out: TargetOutput) -> None:
-        """Commit the prompt. Every drafter of the mode starts at frontier 0 with the whole prompt as backlog (its
-        KV-only prefill runs when it is first chosen, or every round with eager catch-up)."""
-        seq = req.seq
-        bonus = next_token(out.logits[-1], req.gen.sampling, req.generator)
-        seq.commit(seq.prompt_ids, bonus, out.captured if req.proposers else None, {name: 0 for name in req.proposers})
-        if req.router is not None:   # only a router reads the signal (~0.1 ms over a 49k vocabulary)
-            req.signal = signal_of(out.logits[-1], out.hidden[-1])
-        req.extend([bonus])
-
-    def draft(self, reqs: list[Request]) -> list["Draft"]:
-        """route -> catch up -> propose, for each request: the trees this round verifies (the pending bonus alone
-        for a request without a drafter). Requests whose drafter and tree shape agree propose together (one
-        drafter forward per EAGLE-3 depth for all of them)."""
-        drafts = [self._route_and_catch_up(req) for req in reqs]
-        groups: dict[tuple, list[int]] = {}
-        for i, (req, draft) in enumerate(zip(reqs, drafts)):
-            proposer = req.proposers.get(draft.drafter)
-            if proposer is None:
-                req.seq.reserve(req.seq.num_committed + 1)
-            else:
-                req.seq.reserve(req.seq.num_committed + _slots_per_round(proposer))
-                groups.setdefault(proposer.group_key(), []).append(i)
-        for members in groups.values():
-            start = time.perf_counter()
-            proposer = reqs[members[0]].proposers[drafts[members[0]].drafter]
-            for i, proposal in zip(members, proposer.propose_many([reqs[i].seq for i in members])):
-                drafts[i].tree = proposal.tree
-                drafts[i].frontiers[proposer.name] = proposal.frontier
-            for i in members:
-                drafts[i].times["draft"] = time.perf_counter() - start
-        return drafts
-
-    def _route_and_catch_up(self, req: Request) -> "Draft":
-        seq, proposers, stats = req.seq, req.proposers, req.stats
-        times, t0 = {"draft": 0.0}, time.perf_counter()
-        # route (a name without a proposer, the router's NO_DRAFT included, is a target-only round)
-        name = req.router.choose(req.signal) if req.router is not None else next(iter(proposers), None)
-        n, max_pos = seq.num_committed, self.target.config.max_position_embeddings
-        proposer = proposers.get(name)
-        if proposer is not None and n + proposer.max_tree_tokens() > max_pos:
-            proposer = None  # no room left in the context window for a draft: a target-only round
-        t1 = time.perf_counter()
-        times["route"] = t1 - t0
-        # catch up: the chosen drafter only (lazy) or every drafter (eager). A drafter's first catch-up starts with
-        # the prompt's positions: that KV-only pass is the drafter's prefill, timed as a phase of its own, so that
-        # catch_up is what decoding adds (the last round's tokens, and a switch's backlog)
-        frontiers, prompt = {}, len(seq.prompt_ids)
-        times["drafter_prefill"] = times["catch_up"] = 0.0
-        for p in (proposers.values() if req.spec.catch_up == "eager" else [proposer] if proposer else []):
-            start = seq.frontiers.get(p.name, 0)
-            if start < prompt:
-                t = time.perf_counter()
-                reached = p.catch_up(seq, end=prompt)
-                times["drafter_prefill"] += time.perf_counter() - t
-                stats.drafter_prefill_tokens += reached - start
-                start = reached
-            t = time.perf_counter()
-            frontiers[p.name] = p.catch_up(seq, start=start)
-            times["catch_up"] += time.perf_counter() - t
-            stats.catch_up_tokens += frontiers[p.name] - start
-        return Draft(proposer.name if proposer else NO_DRAFT, DraftTree([seq.pending], [-1], [0]), frontiers, times)
-
-    def verify_feed(self, req: Request, draft: "Draft") -> Feed:
-        chain = draft.tree.is_chain
-        return Feed(req.seq, draft.tree.tokens, None if chain else draft.tree.depths,
-                    None if chain else draft.tree.mask())
-
-    def commit(self, req: Request, draft: "Draft", out: TargetOutput, verify_seconds: float) -> None:
-        """Walk the target's choices through the tree, keep the accepted path's K/V and features, set the next bonus
-        and route signal, and hand the new tokens to the request."""
-        seq, tree, t0 = req.seq, draft.tree, time.perf_counter()
-        sampling = req.gen.sampling
-        verdict = (verify_greedy(tree, out.logits, greedy_choice(out.logits)) if sampling.greedy
-                   else verify_sampling(tree, target_probs(out.logits, sampling), req.generator))
-        t1 = time.perf_counter()
-        if not tree.is_chain:
-            self.runner.pool.copy_slots(*seq.compaction(verdict.path))
-        features = None
-        if req.proposers and out.captured is not None:   # the accepted nodes' rows (a prefix: a view)
-            path, n = verdict.path, len(verdict.path)
-            features = (out.captured[:n] if path[-1] == n - 1
-                        else out.captured.index_select(0, torch.tensor(path, device=self.device)))
-        seq.commit(verdict.tokens, verdict.bonus, features, draft.frontiers)
-        last = verdict.path[-1]
-        if req.router is not None:
-            req.signal = signal_of(out.logits[last], out.hidden[last], draft.drafter, verdict.num_accepted)
-        draft.times.update(verify=verify_seconds + t1 - t0, commit=time.perf_counter() - t1)
-        req.stats.record(draft.drafter, verdict.num_accepted, draft.times)
-        req.extend(verdict.tokens[1:] + [verdict.bonus])
-
-    def observe_round(self, draft: "Draft") -> None:
-        """A committed round that a request ran alone: its choice's cost moves toward the round's seconds. A round
-        with a drafter's prefill of the prompt is not a steady one (the calibration leaves that phase out)."""
-        if not draft.times.get("drafter_prefill"):
-            self.round_seconds.observe(draft.drafter, sum(draft.times.values()))
-
-
-def greedy_choice(logits: torch.Tensor) -> list[int] | None:
-    """The target's argmax at every verified node from the engine's kernel where it is loaded (~0.13 ms less per
-    round than torch's argmax over 6 x 49k logits), else None: verify_greedy takes it from the logits."""
-    if kernels.registered() and logits.device.type == "cpu":
-        return kernels.argmax_rows(logits).tolist()
-    return None
-
-
-def signal_of(logits: torch.Tensor, hidden: torch.Tensor, drafter: str | None = None, accepted: int = 0) -> RouteSignal:
-    """spec.router.route_signal, its entropy and margin from the engine's kernel where it is loaded (~20 us over a
-    49k vocabulary, where torch's reductions take ~0.12 ms)."""
-    if kernels.registered() and logits.device.type == "cpu":
-        entropy, margin = kernels.entropy_margin(logits)
-        return RouteSignal(entropy, hidden, margin, drafter, accepted)
-    return route_signal(logits, hidden, drafter, accepted)
-
-
-@dataclass
-class Draft:
-    """What a round's draft phase hands to verify and commit."""
-    drafter: str                     # the proposer's name, NO_DRAFT for a target-only round
-    tree: DraftTree                  # the pending bonus alone until the drafter proposes
-    frontiers: dict[str, int]        # drafter frontiers the round reached (catch-up and propose)
-    times: dict[str, float]          # seconds of each phase (route, catch-up, draft; verify and commit at commit)
-
-
-def _slots_per_round(proposer: Proposer) -> int:
-    """Slots past the committed ones a round of `proposer` writes: the verified tree, or its scratch plus the root."""
-    return max(proposer.max_tree_tokens(), proposer.scratch_slots() + 1)
