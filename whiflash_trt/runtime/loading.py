@@ -24,6 +24,13 @@ from whiflash_trt.spec.router_file import RouterFile, load_router
 
 
 @dataclass(frozen=True)
+class ComputePath:
+    """What runs an engine's target linears here (compute_path): whiflash-run's one-line note and its --json stats."""
+    note: str = ""    # in a few words; "" where not said
+    slow_bf16: bool = False   # a bf16 CPU target without the engine's kernels (whiflash-run says so in one line)
+
+
+@dataclass(frozen=True)
 class EngineParts:
     """The models an Engine runs (on one device, in the target's dtype), its tokenizer and router weights."""
     target: Target
@@ -32,8 +39,15 @@ class EngineParts:
     dflash: DFlash | None = None
     router: RouterFile | None = None
     manifest: Manifest | None = None    # the engine directory's; None for parts loaded from checkpoints
-    compute: str = ""    # what runs the target's linears, in a few words (compute_path); "" where not said
-    slow_bf16: bool = False   # a bf16 CPU target without the engine's kernels (whiflash-run says so in one line)
+    linears: ComputePath = ComputePath()
+
+    @property
+    def compute(self) -> str:
+        return self.linears.note
+
+    @property
+    def slow_bf16(self) -> bool:
+        return self.linears.slow_bf16
 
 
 def load_tokenizer(engine_dir: Path):
@@ -52,7 +66,7 @@ def load_engine_kernels(engine_dir: Path, manifest: Manifest) -> None:
     entry = manifest.kernels
     if not entry or kernels.registered():
         return
-    if entry.get("version") != kernels.version():
+    if entry.get("version") != kernels.build.version():
         kernels.report_unavailable("the engine's kernels were built for another torch or source version; "
                                    "rebuild the engine")
         return
@@ -96,14 +110,15 @@ def checkpoint_parts(target: Target, tokenizer, device: str = "cpu", eagle3: Pat
                        None if router is None else load_router(router, cfg.hidden_size), manifest)
 
 
-def compute_path(backend: str, dtype: torch.dtype, device: str) -> str:
-    """What runs an engine's target linears here (whiflash-run's one-line note and its --json stats)."""
+def compute_path(backend: str, dtype: torch.dtype, device: str) -> ComputePath:
+    """What runs an engine's target linears here, and whether that is bf16 on CPU without the engine's kernels."""
     if backend in GRAPH_BACKENDS:
-        return f"{backend} graphs"
+        return ComputePath(f"{backend} graphs")
     if str(device) != "cpu":
-        return f"torch on {device}"
+        return ComputePath(f"torch on {device}")
     path = linear_path(dtype)
-    return f"compiled step, {path}" if backend == "compiled" else path
+    slow_bf16 = dtype == torch.bfloat16 and not kernels.registered()
+    return ComputePath(f"compiled step, {path}" if backend == "compiled" else path, slow_bf16)
 
 
 def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
@@ -143,5 +158,4 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
             entry, drafter = manifest.compiled.get(name), getattr(parts, name)
             if entry is not None and drafter is not None:
                 parts = dataclasses.replace(parts, **{name: wrap(drafter, engine_dir / entry["path"])})
-    slow_bf16 = device == "cpu" and torch_dtype == torch.bfloat16 and not kernels.registered()
-    return dataclasses.replace(parts, compute=compute_path(backend, torch_dtype, device), slow_bf16=slow_bf16)
+    return dataclasses.replace(parts, linears=compute_path(backend, torch_dtype, device))
