@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from whiflash_trt import kernels
 from whiflash_trt.config import DFLASH, EAGLE3, GRAPH_BACKENDS, parse_dtype
-from whiflash_trt.errors import CheckpointError, WhiflashError
+from whiflash_trt.errors import CheckpointError, SpecError, WhiflashError, literal
 from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
 from whiflash_trt.models.contracts import DFlash, Eagle3, Target
@@ -81,14 +81,14 @@ def compiled_target(engine_dir: Path, manifest: Manifest, target, dtype: torch.d
 
     entry = manifest.compiled.get("target")
     if entry is None:
-        raise WhiflashError(f"engine {engine_dir} has no compiled target; rebuild it with "
-                            f"`whiflash-build --backend compiled ...` or run it with --backend torch")
+        raise SpecError(("backend",), f"engine {literal(engine_dir)} has no compiled target; rebuild it with "
+                                      f"{{backend}} compiled or run it with {{backend}} torch")
     if device != "cpu" or dtype != parse_dtype(manifest.dtype):
-        raise WhiflashError(f"the compiled target runs on CPU in {manifest.dtype}; use --backend torch for "
-                            f"{device} or another dtype")
+        raise SpecError(("backend",), f"the compiled target runs on CPU in {manifest.dtype}; use {{backend}} torch "
+                                      f"for {literal(device)} or another dtype")
     if not target.kernel_attention:
-        raise WhiflashError("the compiled target needs the engine's kernels, which do not run here (see above); "
-                            "run the engine with --backend torch")
+        raise SpecError(("backend",), "the compiled target needs the engine's kernels, which do not run here (see "
+                                      "above); run the engine with {backend} torch")
     return CompiledTarget(target, engine_dir / entry["path"], tuple(entry["capture_layers"]))
 
 
