@@ -167,7 +167,7 @@ class OpenAIServer:
             return JSONResponse(e.body(), status_code=e.status)
         events = _Events(asyncio.get_running_loop(), lambda kind, value: self._count(endpoint, kind, value),
                          parsed.stream)
-        request = Request(parsed.prompt_ids, parsed.gen, parsed.spec, events)
+        request = Request(parsed.prompt_ids, parsed.gen, parsed.plan, events)
         self.scheduler.submit(request)
         fmt = response_format(self.model_name)
         if parsed.stream:
