@@ -675,7 +675,7 @@ def test_a_fresh_build_registers_the_shapes_export_needs(tmp_path):
 import torch
 from pathlib import Path
 from whiflash_trt import kernels
-assert kernels.load(kernels.compile_library(Path({str(tmp_path)!r})))
+assert kernels.load(kernels.build.compile_library(Path({str(tmp_path)!r})))
 
 def f(x, packed):
     return kernels.linear(x, packed, None, 64)
@@ -727,7 +727,7 @@ def test_each_isa_has_its_own_library_version(monkeypatch):
 
 
 def test_the_loaded_library_is_the_build_of_this_isa(tmp_path):
-    library = kernels.build.DEFAULT_CACHE / kernels.version() / kernels.LIBRARY
+    library = kernels.build.DEFAULT_CACHE / kernels.build.version() / kernels.LIBRARY
     assert kernels.loaded_isa() == kernels.isa()
     assert kernels.build.library_build(library) == kernels.build.build_for()
     assert kernels.build.intact(library)
@@ -743,8 +743,8 @@ def test_a_truncated_library_in_the_cache_is_rebuilt_not_loaded(tmp_path):
     """The cached library's bytes are checked against its sha256 before it is used: a truncated one is rebuilt (with
     a line saying so), and a build folder left by a killed build (its cpp_extension lock held) does not block it.
     In a process of its own (a process holds one library)."""
-    source = kernels.build.DEFAULT_CACHE / kernels.version()
-    cached = tmp_path / kernels.version()
+    source = kernels.build.DEFAULT_CACHE / kernels.build.version()
+    cached = tmp_path / kernels.build.version()
     cached.mkdir()
     whole = (source / kernels.LIBRARY).read_bytes()
     (cached / kernels.LIBRARY).write_bytes(whole[:len(whole) // 3])
@@ -757,7 +757,7 @@ def test_a_truncated_library_in_the_cache_is_rebuilt_not_loaded(tmp_path):
     script = f"""
 from pathlib import Path
 from whiflash_trt import kernels
-library = kernels.compile_library(Path({str(tmp_path)!r}))
+library = kernels.build.compile_library(Path({str(tmp_path)!r}))
 assert kernels.load(library) and kernels.registered()
 print("built", library)
 """

@@ -155,7 +155,7 @@ def test_an_openai_request_builds_its_router_and_drafters_once(monkeypatch, spec
     count = RouterCount(monkeypatch)
     body = {"model": SERVED, "prompt": "abc def", "max_tokens": 6, "temperature": 0, "mode": "whiflash"}
     parsed = parse_completion(body, spec_engine, SERVED, ServerLimits())
-    run_scheduled(spec_engine, parsed.prompt_ids, parsed.gen, parsed.spec)
+    run_scheduled(spec_engine, parsed.prompt_ids, parsed.gen, parsed.plan)
     assert (count.routers, count.proposers) == (1, 1)
 
 

@@ -13,12 +13,14 @@ class CheckpointError(WhiflashError):
 
 
 class SpecError(WhiflashError):
-    """A request's speculation setting that this engine cannot run, or that the request's mode would ignore.
+    """A request's speculation setting that this engine cannot run, or that the request's mode would ignore; or a
+    load setting ("device", "threads", "backend") that cannot run here.
 
     `params` are the settings at fault by their neutral names (runtime.plan.PARAMS: "mode", "router", "threshold",
     "catch_up", "tree_top_k", ...), the first one (`param`) the one to point at. The message is a template whose
     `{params}` field lists them and whose `{mode}`, `{router}`, ... fields name one setting; `spelled` writes every
-    name as a front end spells it (a CLI flag, a request field), and str() is the neutral spelling."""
+    name as a front end spells it (a CLI flag, a request field), and str() is the neutral spelling. Text that is not
+    a field goes in through `literal`."""
 
     def __init__(self, params: tuple[str, ...], template: str) -> None:
         self.params, self.template = params, template
@@ -30,6 +32,11 @@ class SpecError(WhiflashError):
 
     def spelled(self, spell: Callable[[str], str]) -> str:
         return self.template.format_map(_Spelling(spell, self.params))
+
+
+def literal(value) -> str:
+    """`value` as text that stands for itself inside a SpecError template (its braces doubled)."""
+    return str(value).replace("{", "{{").replace("}", "}}")
 
 
 class _Spelling(dict):

@@ -114,7 +114,7 @@ def add_kernels(engine_dir: Path, required: bool) -> dict:
     """The manifest's kernels section: the compiled CPU kernels copied into the engine, or, where this machine cannot
     build them, an error if `required`, else {} (and why, on stderr): the engine then runs on torch and oneDNN."""
     try:
-        library = kernels.compile_library(kernels.DEFAULT_CACHE)
+        library = kernels.build.compile_library(kernels.DEFAULT_CACHE)
     except kernels.KernelBuildError as e:
         if required:
             raise WhiflashError(f"--backend compiled runs on the engine's CPU kernels, which cannot be built here: "
@@ -123,7 +123,7 @@ def add_kernels(engine_dir: Path, required: bool) -> dict:
         return {}
     (engine_dir / KERNELS_DIR).mkdir()
     shutil.copyfile(library, engine_dir / KERNELS_DIR / kernels.LIBRARY)
-    return {"path": f"{KERNELS_DIR}/{kernels.LIBRARY}", "version": kernels.version(),
+    return {"path": f"{KERNELS_DIR}/{kernels.LIBRARY}", "version": kernels.build.version(),
             "ops": ["whiflash::linear_bf16", "whiflash::linear_fp32", "whiflash::paged_attention"]}
 
 

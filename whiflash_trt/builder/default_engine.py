@@ -20,6 +20,6 @@ LAYOUT = 5   # what a default engine holds; raised when that changes (2: EAGLE-3
 def default_engine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     # the kernels' version and the layout too: an engine built before them (or for another torch) is not reused
     engine_dir = cache_dir / "engines" / f"{DEFAULT_TARGET}-bf16-{bundled_for(DEFAULT_TARGET).version()}" \
-        f"-{kernels.version()}-l{LAYOUT}"
+        f"-{kernels.build.version()}-l{LAYOUT}"
     return build_once(BuildOptions(target=DEFAULT_TARGET, output=engine_dir, dtype="bf16", backend=AUTO),
                       announce=f"building the default engine ({DEFAULT_TARGET}, bf16) into {engine_dir} (once)")

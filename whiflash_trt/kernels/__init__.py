@@ -20,8 +20,9 @@ they share.
     build.py  the compiler driver: a library per build, cached by version, checked by its sha256 before use
     ops.py    loading, the GEMM loop, the C shims, and the ops' wrappers below
 
-    path = compile_library(DEFAULT_CACHE)  # once per source version and ISA; whiflash-build copies it into the engine
-    load(path)                             # registers torch.ops.whiflash.* in this process
+    path = build.compile_library(DEFAULT_CACHE)  # once per source version and ISA (whiflash-build copies it
+                                                 # into the engine)
+    load(path)                                   # registers torch.ops.whiflash.* in this process
     if registered(): packed = pack_weight(w); y = linear(x, packed, bias, w.shape[0])   # w bf16 or fp32
                      out = paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, row_slots, row_len,
                                            scale)
@@ -33,15 +34,14 @@ CPU lacks AVX2 and FMA or no C++ compiler is found, nothing is loaded: the linea
 from whiflash_trt.kernels.build import DEFAULT_CACHE, LIBRARY, KernelBuildError, can_build
 from whiflash_trt.kernels.cpu import ISA_ENV, ISAS, cpu_supported, cpuinfo, isa
 from whiflash_trt.kernels.ops import (BLOCK, C_SHIMS, GEMM_ENV, GEMM_VARIANTS, argmax_rows, available_gemms,
-                                      c_shims, choose_gemm, compile_library, ensure_loaded, entropy_margin, gemm,
+                                      c_shims, choose_gemm, ensure_loaded, entropy_margin, gemm,
                                       int8_layers_pay, kv_prefill, linear, linear_norm, load, loaded_isa,
                                       measure_gemm, pack_gate_up, pack_int8, pack_weight, paged_attention,
-                                      registered, report_unavailable, set_gemm, supports, swiglu, topk_rows,
-                                      version)
+                                      registered, report_unavailable, set_gemm, supports, swiglu, topk_rows)
 
 __all__ = ["BLOCK", "C_SHIMS", "DEFAULT_CACHE", "GEMM_ENV", "GEMM_VARIANTS", "ISAS", "ISA_ENV", "LIBRARY",
            "KernelBuildError", "argmax_rows", "available_gemms", "c_shims", "can_build", "choose_gemm",
-           "compile_library", "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "int8_layers_pay",
+           "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "int8_layers_pay",
            "isa", "kv_prefill", "linear", "linear_norm", "load", "loaded_isa", "measure_gemm",
            "pack_gate_up", "pack_int8", "pack_weight", "paged_attention", "registered", "report_unavailable",
-           "set_gemm", "supports", "swiglu", "topk_rows", "version"]
+           "set_gemm", "supports", "swiglu", "topk_rows"]

@@ -19,7 +19,9 @@ from whiflash_trt.kernels.build import DEFAULT_CACHE, LIBRARY, KernelBuildError
 
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
 
-GEMM_VARIANTS = ("fma", "dot", "amx")   # linear_bf16.cpp's inner loops, by their index there
+# linear_bf16.cpp's inner loops, in their index order there, each with the lowest ISA (cpu.ISAS) that runs it
+GEMM_MIN_ISA = {"fma": "avx2", "dot": "avx512bf16", "amx": "amx"}
+GEMM_VARIANTS = tuple(GEMM_MIN_ISA)
 GEMM_ENV = "WHIFLASH_GEMM"       # forces one of them (tests, comparisons)
 
 
@@ -37,17 +39,7 @@ def available_gemms() -> tuple[str, ...]:
         return ()
     rank = cpu.ISAS.index(isa)
     amx = isa == "amx" and registered() and torch.ops.whiflash.amx_usable()
-    return tuple(v for v, needs in zip(GEMM_VARIANTS, (0, 2, 3)) if rank >= needs and (v != "amx" or amx))
-
-
-def version() -> str:
-    """Identifies the compiled library this process's ISA loads (build.version)."""
-    return build.version()
-
-
-def compile_library(cache_dir: Path) -> Path:
-    """This process's ISA's library in cache_dir, compiled unless an intact one is there (build.compile_library)."""
-    return build.compile_library(cache_dir)
+    return tuple(v for v, needs in GEMM_MIN_ISA.items() if rank >= cpu.ISAS.index(needs) and (v != "amx" or amx))
 
 
 def load(library: Path, cache_dir: Path | None = DEFAULT_CACHE) -> bool:
@@ -115,7 +107,7 @@ def choose_gemm(cache_dir: Path | None = DEFAULT_CACHE) -> str:
     isa = _loaded_isa or cpu.isa()
     path = None
     if cache_dir is not None:   # keyed by the ISA too: avx512bf16 and amx share a build, not their loops
-        path = (Path(cache_dir) / version()
+        path = (Path(cache_dir) / build.version()
                 / f"gemm-{isa}-{hashlib.sha256(model.encode()).hexdigest()[:12]}.json")
         try:
             chosen = json.loads(path.read_text())["variant"]
@@ -212,7 +204,7 @@ def ensure_loaded(cache_dir: Path = DEFAULT_CACHE) -> bool:
     """Compile (once) and load the kernels for a model built outside an engine directory (training data, tests);
     says why on stderr and returns False where they cannot be used here."""
     try:
-        return load(compile_library(cache_dir), cache_dir)
+        return load(build.compile_library(cache_dir), cache_dir)
     except (KernelBuildError, OSError) as e:
         report_unavailable(str(e))
         return False

@@ -26,11 +26,6 @@ def onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def bf16_linear_path() -> str:
-    """How a bf16 CPU linear runs without the engine's kernels: "onednn" (onednn_bf16) or "fp32" (widened)."""
-    return "onednn" if onednn_bf16() else "fp32"
-
-
 def linear_path(dtype: torch.dtype) -> str:
     """What runs a CPU target's linears in `dtype` in this process, and why, in a few words (whiflash-run's note and
     its --json stats)."""
@@ -75,7 +70,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 class FrozenLinear:
     """An inference-only linear layer (weight [out, in]) whose rows do not depend on the row count, so a verify row
     equals a 1-token step's row. A bf16 or fp32 CPU weight runs on the engine's own kernels where they are loaded
-    (whiflash_trt.kernels: row-invariant by construction). Elsewhere a bf16 weight runs bf16_linear_path()'s way:
+    (whiflash_trt.kernels: row-invariant by construction). Elsewhere a bf16 weight is
     prepacked for oneDNN where its bf16 GEMM runs (the bits of F.linear, with row_linear's rule for a lone row over
     in_features > 1024, whose GEMV path sums in another order), else widened to fp32 for row_linear and rounded
     back; an fp32 weight runs on MKL through row_linear. tests/test_row_invariance.py and tests/test_kernels.py hold

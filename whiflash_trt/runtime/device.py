@@ -7,7 +7,7 @@ import platform
 import torch
 
 from whiflash_trt import kernels
-from whiflash_trt.errors import WhiflashError
+from whiflash_trt.errors import SpecError, WhiflashError, literal
 
 
 def check_device(name: str) -> torch.device:
@@ -22,9 +22,11 @@ def check_device(name: str) -> torch.device:
         raise WhiflashError(f"device {name!r} is not supported; expected cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         build = "has no CUDA support" if torch.version.cuda is None else "finds no CUDA GPU on this machine"
-        raise WhiflashError(f"--device {name}: this torch ({torch.__version__}) {build}; use --device cpu")
+        raise SpecError(("device",), f"{{device}} {literal(name)}: this torch ({torch.__version__}) {build}; "
+                                     f"use {{device}} cpu")
     if device.index is not None and device.index >= torch.cuda.device_count():
-        raise WhiflashError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+        raise SpecError(("device",), f"{{device}} {literal(name)}: only {torch.cuda.device_count()} CUDA device(s) "
+                                     f"are visible")
     return device
 
 
@@ -36,7 +38,7 @@ def default_threads() -> int:
 
 def set_threads(n: int) -> None:
     if n < 1:
-        raise WhiflashError(f"--threads must be >= 1, got {n}")
+        raise SpecError(("threads",), f"{{threads}} must be >= 1, got {n}")
     torch.set_num_threads(n)
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from whiflash_trt import kernels
 from whiflash_trt.config import DFLASH, EAGLE3, GRAPH_BACKENDS, parse_dtype
-from whiflash_trt.errors import CheckpointError, WhiflashError
+from whiflash_trt.errors import CheckpointError, SpecError, WhiflashError, literal
 from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
 from whiflash_trt.models.contracts import DFlash, Eagle3, Target
@@ -21,6 +21,13 @@ from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.models.layers import linear_path
 from whiflash_trt.runtime.backends import engine_backend, load_graph_models
 from whiflash_trt.spec.router_file import RouterFile, load_router
+
+
+@dataclass(frozen=True)
+class ComputePath:
+    """What runs an engine's target linears here (compute_path): whiflash-run's one-line note and its --json stats."""
+    note: str = ""    # in a few words; "" where not said
+    slow_bf16: bool = False   # a bf16 CPU target without the engine's kernels (whiflash-run says so in one line)
 
 
 @dataclass(frozen=True)
@@ -32,8 +39,15 @@ class EngineParts:
     dflash: DFlash | None = None
     router: RouterFile | None = None
     manifest: Manifest | None = None    # the engine directory's; None for parts loaded from checkpoints
-    compute: str = ""    # what runs the target's linears, in a few words (compute_path); "" where not said
-    slow_bf16: bool = False   # a bf16 CPU target without the engine's kernels (whiflash-run says so in one line)
+    linears: ComputePath = ComputePath()
+
+    @property
+    def compute(self) -> str:
+        return self.linears.note
+
+    @property
+    def slow_bf16(self) -> bool:
+        return self.linears.slow_bf16
 
 
 def load_tokenizer(engine_dir: Path):
@@ -52,7 +66,7 @@ def load_engine_kernels(engine_dir: Path, manifest: Manifest) -> None:
     entry = manifest.kernels
     if not entry or kernels.registered():
         return
-    if entry.get("version") != kernels.version():
+    if entry.get("version") != kernels.build.version():
         kernels.report_unavailable("the engine's kernels were built for another torch or source version; "
                                    "rebuild the engine")
         return
@@ -67,14 +81,14 @@ def compiled_target(engine_dir: Path, manifest: Manifest, target, dtype: torch.d
 
     entry = manifest.compiled.get("target")
     if entry is None:
-        raise WhiflashError(f"engine {engine_dir} has no compiled target; rebuild it with "
-                            f"`whiflash-build --backend compiled ...` or run it with --backend torch")
+        raise SpecError(("backend",), f"engine {literal(engine_dir)} has no compiled target; rebuild it with "
+                                      f"{{backend}} compiled or run it with {{backend}} torch")
     if device != "cpu" or dtype != parse_dtype(manifest.dtype):
-        raise WhiflashError(f"the compiled target runs on CPU in {manifest.dtype}; use --backend torch for "
-                            f"{device} or another dtype")
+        raise SpecError(("backend",), f"the compiled target runs on CPU in {manifest.dtype}; use {{backend}} torch "
+                                      f"for {literal(device)} or another dtype")
     if not target.kernel_attention:
-        raise WhiflashError("the compiled target needs the engine's kernels, which do not run here (see above); "
-                            "run the engine with --backend torch")
+        raise SpecError(("backend",), "the compiled target needs the engine's kernels, which do not run here (see "
+                                      "above); run the engine with {backend} torch")
     return CompiledTarget(target, engine_dir / entry["path"], tuple(entry["capture_layers"]))
 
 
@@ -96,14 +110,15 @@ def checkpoint_parts(target: Target, tokenizer, device: str = "cpu", eagle3: Pat
                        None if router is None else load_router(router, cfg.hidden_size), manifest)
 
 
-def compute_path(backend: str, dtype: torch.dtype, device: str) -> str:
-    """What runs an engine's target linears here (whiflash-run's one-line note and its --json stats)."""
+def compute_path(backend: str, dtype: torch.dtype, device: str) -> ComputePath:
+    """What runs an engine's target linears here, and whether that is bf16 on CPU without the engine's kernels."""
     if backend in GRAPH_BACKENDS:
-        return f"{backend} graphs"
+        return ComputePath(f"{backend} graphs")
     if str(device) != "cpu":
-        return f"torch on {device}"
+        return ComputePath(f"torch on {device}")
     path = linear_path(dtype)
-    return f"compiled step, {path}" if backend == "compiled" else path
+    slow_bf16 = dtype == torch.bfloat16 and not kernels.registered()
+    return ComputePath(f"compiled step, {path}" if backend == "compiled" else path, slow_bf16)
 
 
 def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
@@ -143,5 +158,4 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
             entry, drafter = manifest.compiled.get(name), getattr(parts, name)
             if entry is not None and drafter is not None:
                 parts = dataclasses.replace(parts, **{name: wrap(drafter, engine_dir / entry["path"])})
-    slow_bf16 = device == "cpu" and torch_dtype == torch.bfloat16 and not kernels.registered()
-    return dataclasses.replace(parts, compute=compute_path(backend, torch_dtype, device), slow_bf16=slow_bf16)
+    return dataclasses.replace(parts, linears=compute_path(backend, torch_dtype, device))

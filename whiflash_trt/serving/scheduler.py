@@ -45,7 +45,7 @@ class Request:
     """One generation request, validated: the prompt's token ids and the settings the engine runs it with."""
     prompt_ids: list[int]
     gen: GenerationConfig
-    spec: Plan | SpecConfig | None   # the front end's Engine.plan; a spec or None (the engine's default) is
+    plan: Plan | SpecConfig | None   # the front end's Engine.plan; a spec or None (the engine's default) is
                                      # planned when the request starts
     sink: RequestSink
     cancel_event: threading.Event = field(default_factory=threading.Event)
@@ -179,7 +179,7 @@ class BatchScheduler:
             request.sink.tokens(new_ids)
 
         try:
-            req = self.engine.request(request.prompt_ids, request.gen, request.spec, on_tokens)
+            req = self.engine.request(request.prompt_ids, request.gen, request.plan, on_tokens)
             self._batch.submit(req)
         except Exception as e:   # the request's failure, reported to its client
             _notify(request, "failed", e)

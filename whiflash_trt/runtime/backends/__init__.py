@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from whiflash_trt.config import GRAPH_BACKENDS, parse_dtype
-from whiflash_trt.errors import CheckpointError, WhiflashError
+from whiflash_trt.errors import CheckpointError, SpecError, WhiflashError, literal
 from whiflash_trt.manifest import Manifest
 
 
@@ -18,8 +18,8 @@ def engine_backend(manifest: Manifest) -> str:
 def _graph_section(manifest: Manifest, backend: str, engine_dir: Path) -> dict:
     section = manifest.onnx if backend == "onnx" else manifest.tensorrt
     if not section.get("graphs"):
-        raise WhiflashError(f"engine {engine_dir} has no {backend} graphs; rebuild it with "
-                            f"`whiflash-build --backend {backend} ...`")
+        raise SpecError(("backend",), f"engine {literal(engine_dir)} has no {backend} graphs; rebuild it with "
+                                      f"{{backend}} {backend}")
     return section
 
 
@@ -32,7 +32,8 @@ def load_graph_models(engine_dir: Path, manifest: Manifest, backend: str, device
         raise ValueError(f"unknown graph backend {backend!r}; expected one of {', '.join(GRAPH_BACKENDS)}")
     section = _graph_section(manifest, backend, engine_dir)
     if backend == "onnx" and str(device) != "cpu":
-        raise WhiflashError(f"the onnx backend runs onnxruntime's CPU provider; use --device cpu, not {device}")
+        raise SpecError(("device",), f"the onnx backend runs onnxruntime's CPU provider; use {{device}} cpu, "
+                                     f"not {literal(device)}")
     missing = [info["path"] for info in section["graphs"].values() if not (engine_dir / info["path"]).is_file()]
     if missing:
         raise CheckpointError(f"engine {engine_dir} is incomplete: {', '.join(missing)} missing")

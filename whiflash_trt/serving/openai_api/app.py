@@ -156,23 +156,28 @@ class OpenAIServer:
 
     async def _serve(self, http: HTTPRequest, endpoint: str, parse, response_format) -> Response:
         try:
+            self._check_queue()   # before the body is read or planned: a full server spends nothing on it
             body = await read_json(http, self.limits)
             parsed: ParsedRequest = await asyncio.get_running_loop().run_in_executor(
                 self._parser, parse, body, self.engine, self.model_name, self.limits)
-            if self.scheduler.num_waiting >= self.limits.max_queue:
-                raise APIError(f"the server is busy: {self.scheduler.num_waiting} requests are waiting (its "
-                               f"--max-queue); retry later", type="server_busy", code="queue_full", status=429)
+            self._check_queue()   # again with no await before submit: others may have queued meanwhile
         except APIError as e:
             self.metrics.refused(endpoint)
             return JSONResponse(e.body(), status_code=e.status)
         events = _Events(asyncio.get_running_loop(), lambda kind, value: self._count(endpoint, kind, value),
                          parsed.stream)
-        request = Request(parsed.prompt_ids, parsed.gen, parsed.spec, events)
+        request = Request(parsed.prompt_ids, parsed.gen, parsed.plan, events)
         self.scheduler.submit(request)
         fmt = response_format(self.model_name)
         if parsed.stream:
             return StreamingResponse(self._stream(request, events, fmt, parsed), media_type="text/event-stream")
         return await self._whole(http, request, events, fmt)
+
+    def _check_queue(self) -> None:
+        """429 while limits.max_queue requests wait."""
+        if self.scheduler.num_waiting >= self.limits.max_queue:
+            raise APIError(f"the server is busy: {self.scheduler.num_waiting} requests are waiting (its "
+                           f"--max-queue); retry later", type="server_busy", code="queue_full", status=429)
 
     def _count(self, endpoint: str, kind: str, value) -> None:
         if kind == "finished":

@@ -45,7 +45,7 @@ class ParsedRequest:
     """A validated /v1/completions or /v1/chat/completions body."""
     prompt_ids: list[int]
     gen: GenerationConfig
-    spec: Plan                # this request's Engine.plan: the spec resolved, its drafters and router built
+    plan: Plan                # this request's Engine.plan: the spec resolved, its drafters and router built
     stream: bool
     include_usage: bool       # stream_options.include_usage: a final chunk carrying `usage`
 
