@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from whiflash_trt.config import GRAPH_BACKENDS, parse_dtype
-from whiflash_trt.errors import CheckpointError, SpecError, WhiflashError, literal
+from whiflash_trt.errors import CheckpointError, SpecError, literal
 from whiflash_trt.manifest import Manifest
 
 
