@@ -78,5 +78,5 @@ def test_onnx_backend_refuses_bf16_before_any_work():
 def test_torch_engine_has_no_onnx_graphs_to_run(onnx_engine_dirs):
     from whiflash_trt.errors import WhiflashError
 
-    with pytest.raises(WhiflashError, match="--backend onnx"):
+    with pytest.raises(WhiflashError, match="has no onnx graphs; rebuild it with whiflash-build backend onnx"):
         Engine.load(onnx_engine_dirs[0], backend="onnx")

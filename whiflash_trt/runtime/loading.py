@@ -82,7 +82,7 @@ def compiled_target(engine_dir: Path, manifest: Manifest, target, dtype: torch.d
     entry = manifest.compiled.get("target")
     if entry is None:
         raise SpecError(("backend",), f"engine {literal(engine_dir)} has no compiled target; rebuild it with "
-                                      f"{{backend}} compiled or run it with {{backend}} torch")
+                                      f"whiflash-build {{backend}} compiled or run it with {{backend}} torch")
     if device != "cpu" or dtype != parse_dtype(manifest.dtype):
         raise SpecError(("backend",), f"the compiled target runs on CPU in {manifest.dtype}; use {{backend}} torch "
                                       f"for {literal(device)} or another dtype")

@@ -19,7 +19,7 @@ def _graph_section(manifest: Manifest, backend: str, engine_dir: Path) -> dict:
     section = manifest.onnx if backend == "onnx" else manifest.tensorrt
     if not section.get("graphs"):
         raise SpecError(("backend",), f"engine {literal(engine_dir)} has no {backend} graphs; rebuild it with "
-                                      f"{{backend}} {backend}")
+                                      f"whiflash-build {{backend}} {backend}")
     return section
 
 
