@@ -129,7 +129,8 @@ def test_mode_without_its_drafter_is_a_clear_error(spec_engine):
     saved = dict(spec_engine.proposers)
     del spec_engine.proposers["dflash"]
     try:
-        with pytest.raises(SpecError, match="needs the dflash drafter.*--dllm-drafter") as raised:
+        with pytest.raises(SpecError, match="needs the dflash drafter, which this engine does not have; "
+                                            "rebuild it with whiflash-build") as raised:
             spec_engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=2), spec=SpecConfig(mode="whiflash"))
         assert raised.value.param == "mode"
     finally:
