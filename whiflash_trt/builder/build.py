@@ -185,6 +185,17 @@ def _check_inputs(opts: BuildOptions) -> None:
             raise WhiflashError(f"{flag} {path} does not exist")
 
 
+def _build_options(opts: BuildOptions, backend: str, start: float) -> dict:
+    """The build options the manifest records: the requested dtype, block size and components, the backend the build
+    settled on, the versions that built it and the seconds since `start`, so an engine says how it was made."""
+    return {"dtype": opts.dtype, "block_size": opts.block_size, "backend": backend,
+            "ar_drafter": str(opts.ar_drafter) if opts.ar_drafter else None,
+            "dllm_drafter": str(opts.dllm_drafter) if opts.dllm_drafter else None,
+            "router": str(opts.router) if opts.router else None,
+            "whiflash_trt_version": __version__, "torch_version": torch.__version__,
+            "build_seconds": round(time.perf_counter() - start, 2)}
+
+
 def build_engine(opts: BuildOptions) -> Path:
     """Write the engine into a temporary sibling folder and move it in at the end: never a half-built engine, and
     never a file the builder did not write deleted (see builder.output_dir)."""
@@ -235,12 +246,7 @@ def build_engine(opts: BuildOptions) -> Path:
             source={"kind": source.kind, "requested": source.requested, "path": str(source.path),
                     "sha256": file_sha256(source.files)},
             **graphs,
-            build_options={"dtype": opts.dtype, "block_size": opts.block_size, "backend": backend,
-                           "ar_drafter": str(opts.ar_drafter) if opts.ar_drafter else None,
-                           "dllm_drafter": str(opts.dllm_drafter) if opts.dllm_drafter else None,
-                           "router": str(opts.router) if opts.router else None,
-                           "whiflash_trt_version": __version__, "torch_version": torch.__version__,
-                           "build_seconds": round(time.perf_counter() - start, 2)},
+            build_options=_build_options(opts, backend, start),
             written_files=written_files(tmp),
         ).write(tmp)
         install(tmp, out, opts.overwrite)

@@ -251,6 +251,42 @@ def _eval(sub) -> None:
     _common(p)
 
 
+def _parse_tree(text: str | None):
+    """The EAGLE-3 tree of --tree TOP_K,DEPTH,TOTAL_TOKENS[,MIN_PROB] (the default tree where it is not given);
+    a malformed or invalid value exits with the reason."""
+    from whiflash_trt.config import TreeConfig
+
+    if not text:
+        return TreeConfig()
+    parts = text.split(",")
+    try:
+        values = [int(x) for x in parts[:3]] + [float(x) for x in parts[3:]]
+    except ValueError:
+        values = []
+    if len(values) not in (3, 4):
+        raise SystemExit(f"--tree wants TOP_K,DEPTH,TOTAL_TOKENS[,MIN_PROB] (three integers, then a probability), "
+                         f"got {text!r}")
+    try:
+        return TreeConfig(*values)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def _eval_prompts(data: Path, tokenizer, limit: int, per_category: int) -> tuple[list, dict]:
+    """The validation prompts to evaluate: the first `per_category` of each category whose chat fits the data's
+    prompt-token limit, with the count taken per category."""
+    from whiflash_trt.runtime.tokenizer_policy import chat_ids
+    from whiflash_trt.train.data import read_prompts
+
+    seen: dict = {}
+    prompts = []
+    for r in read_prompts(data / "prompts.val.jsonl"):
+        if seen.get(r.category, 0) < per_category and len(chat_ids(tokenizer, r.messages)) <= limit:
+            seen[r.category] = seen.get(r.category, 0) + 1
+            prompts.append(r)
+    return prompts, seen
+
+
 def _run_eval(args) -> None:
     import json
 
@@ -258,28 +294,15 @@ def _run_eval(args) -> None:
 
     from tqdm import tqdm
 
-    from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, DFlashTreeConfig, TreeConfig
-    from whiflash_trt.train.data import read_manifest, read_prompts
+    from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, DFlashTreeConfig
+    from whiflash_trt.train.data import read_manifest
     from whiflash_trt.train.evaluate import default_specs, evaluate, make_engine
     from whiflash_trt.train.target import load_engine_target
 
     manifest = read_manifest(args.data)
     target, tokenizer = load_engine_target(args.target or manifest["target"], manifest["dtype"])
     engine = make_engine(target, tokenizer, args.eagle3, args.dflash, args.router)
-    tree = TreeConfig()
-    if args.tree:
-        parts = args.tree.split(",")
-        try:
-            values = [int(x) for x in parts[:3]] + [float(x) for x in parts[3:]]
-        except ValueError:
-            values = []
-        if len(values) not in (3, 4):
-            raise SystemExit(f"--tree wants TOP_K,DEPTH,TOTAL_TOKENS[,MIN_PROB] (three integers, then a probability), "
-                             f"got {args.tree!r}")
-        try:
-            tree = TreeConfig(*values)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+    tree = _parse_tree(args.tree)
     try:
         dflash_tree = DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k)
     except ValueError as e:
@@ -288,15 +311,7 @@ def _run_eval(args) -> None:
                           args.neural_threshold, dflash_tree)
     if args.modes:
         specs = {k: v for k, v in specs.items() if k in args.modes.split(",")}
-    from whiflash_trt.runtime.tokenizer_policy import chat_ids
-
-    limit = manifest["options"]["max_prompt_tokens"]
-    seen: dict = {}
-    prompts = []
-    for r in read_prompts(args.data / "prompts.val.jsonl"):
-        if seen.get(r.category, 0) < args.per_category and len(chat_ids(tokenizer, r.messages)) <= limit:
-            seen[r.category] = seen.get(r.category, 0) + 1
-            prompts.append(r)
+    prompts, seen = _eval_prompts(args.data, tokenizer, manifest["options"]["max_prompt_tokens"], args.per_category)
     report = evaluate(engine, prompts, specs, args.max_new_tokens, progress=lambda xs: tqdm(xs, desc="eval"))
     report["prompts"] = dict(seen)
     if "whiflash-neural" in specs:

@@ -159,9 +159,9 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def generate_data(opts: DataOptions) -> Path:
-    if opts.split == "train":   # checked before the target loads and anything is written
-        require_prompt_packages()
+def _split_folder(opts: DataOptions) -> tuple[Path, Path]:
+    """The data root and the folder this split writes into (the root itself for train, a subfolder otherwise),
+    created; a non-train split needs the train prompts first and starts from the train manifest with no shards."""
     root = Path(opts.output)
     root.mkdir(parents=True, exist_ok=True)
     out = root if opts.split == "train" else root / opts.split
@@ -171,39 +171,40 @@ def generate_data(opts: DataOptions) -> Path:
         out.mkdir(exist_ok=True)
         if not (out / MANIFEST).is_file():
             write_manifest(out, read_manifest(root) | {"shards": [], "split": opts.split})
-    model, tokenizer = load_engine_target(opts.target, opts.dtype)   # the data's bits are the runtime's
-    n = model.config.num_layers
-    capture = opts.capture_layers or default_capture_layers(n)
+    return root, out
+
+
+def _open_manifest(opts: DataOptions, root: Path, out: Path, hidden_size: int, capture) -> dict:
+    """The split's manifest: an existing one is checked against these options (so a rerun resumes the same data,
+    growing the train prompts where more per category are asked for); a new folder gets its prompts drawn and split
+    and a fresh manifest written."""
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest["capture_layers"] != list(capture) or manifest["seed"] != opts.seed:
             raise ValueError(f"{out} holds data of other options (capture layers / seed): use a new folder")
         if opts.split == "train" and opts.per_category > manifest["options"]["per_category"]:
             _grow_prompts(root, manifest, opts.per_category)
-    else:
-        splits = split_prompts(build_prompts(opts.per_category, opts.seed), opts.num_val, opts.num_router)
-        for name, records in splits.items():
-            write_jsonl(out / f"prompts.{name}.jsonl", records)
-        manifest = {
-            "target": opts.target, "dtype": opts.dtype, "capture_layers": list(capture),
-            "hidden_size": model.config.hidden_size, "seed": opts.seed, "options": {
-                k: (str(v) if isinstance(v, Path) else v) for k, v in opts.__dict__.items()},
-            "prompts": {name: dict(Counter(f"{r.category}:{r.source.split('/')[0]}" for r in recs))
-                        for name, recs in splits.items()},
-            "disjointness": "reasoning-gym seeds >= 1000 (benchmark: < 1000); bfcl-eval subsets other than "
-                            "simple_python and multiple; stdlib code/doc prompts, no HumanEval",
-            "shards": []}
-        write_manifest(out, manifest)
-    prompts = read_prompts(root / f"prompts.{opts.split}.jsonl")
-    done = {i for shard in manifest["shards"] for i in shard["prompt_index"]}
-    eos = eos_ids(model.config, tokenizer)
-    max_len = min(opts.max_prompt_tokens + opts.max_new_tokens + 1, model.config.max_position_embeddings)
-    gen = BatchedGenerator(model, capture, opts.lanes, max_len, eos)
-    rng = random.Random(opts.seed)
-    temps = [opts.temperature if rng.random() < opts.sampled_fraction else 0.0 for _ in prompts]
-    todo = [i for i in range(len(prompts)) if i not in done]
-    limit = opts.max_sequences if opts.max_sequences is not None else len(prompts)
-    todo = todo[:max(0, limit - len(done))]
+        return manifest
+    splits = split_prompts(build_prompts(opts.per_category, opts.seed), opts.num_val, opts.num_router)
+    for name, records in splits.items():
+        write_jsonl(out / f"prompts.{name}.jsonl", records)
+    manifest = {
+        "target": opts.target, "dtype": opts.dtype, "capture_layers": list(capture),
+        "hidden_size": hidden_size, "seed": opts.seed, "options": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in opts.__dict__.items()},
+        "prompts": {name: dict(Counter(f"{r.category}:{r.source.split('/')[0]}" for r in recs))
+                    for name, recs in splits.items()},
+        "disjointness": "reasoning-gym seeds >= 1000 (benchmark: < 1000); bfcl-eval subsets other than "
+                        "simple_python and multiple; stdlib code/doc prompts, no HumanEval",
+        "shards": []}
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _generate(opts: DataOptions, out: Path, manifest: dict, gen: BatchedGenerator, tokenizer, prompts: list,
+              todo: list[int], temps: list[float]) -> None:
+    """Generate the `todo` prompts through the batched generator, writing a shard (and the manifest that lists it)
+    every `shard_size` sequences, so a stopped run (SIGTERM / Ctrl-C) keeps what it generated and a rerun resumes."""
     generator = torch.Generator().manual_seed(opts.seed)
     finished: list[Finished] = []
     bar = tqdm(total=len(todo), desc="sequences", unit="seq", mininterval=10)
@@ -236,6 +237,27 @@ def generate_data(opts: DataOptions) -> Path:
     finally:
         signal.signal(signal.SIGTERM, previous)
     bar.close()
+
+
+def generate_data(opts: DataOptions) -> Path:
+    if opts.split == "train":   # checked before the target loads and anything is written
+        require_prompt_packages()
+    root, out = _split_folder(opts)
+    model, tokenizer = load_engine_target(opts.target, opts.dtype)   # the data's bits are the runtime's
+    n = model.config.num_layers
+    capture = opts.capture_layers or default_capture_layers(n)
+    manifest = _open_manifest(opts, root, out, model.config.hidden_size, capture)
+    prompts = read_prompts(root / f"prompts.{opts.split}.jsonl")
+    done = {i for shard in manifest["shards"] for i in shard["prompt_index"]}
+    eos = eos_ids(model.config, tokenizer)
+    max_len = min(opts.max_prompt_tokens + opts.max_new_tokens + 1, model.config.max_position_embeddings)
+    gen = BatchedGenerator(model, capture, opts.lanes, max_len, eos)
+    rng = random.Random(opts.seed)
+    temps = [opts.temperature if rng.random() < opts.sampled_fraction else 0.0 for _ in prompts]
+    todo = [i for i in range(len(prompts)) if i not in done]
+    limit = opts.max_sequences if opts.max_sequences is not None else len(prompts)
+    todo = todo[:max(0, limit - len(done))]
+    _generate(opts, out, manifest, gen, tokenizer, prompts, todo, temps)
     return out
 
 

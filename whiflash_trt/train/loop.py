@@ -98,6 +98,48 @@ def _stop_requests():
             signal.signal(sig, h)
 
 
+class _Epoch:
+    """The training data of the current epoch and its shuffled order, handing out the sequences at the cursor in
+    turn; at the end of an epoch it reloads the data folder, so shards written since join the next epoch."""
+
+    def __init__(self, data_folder: Path, seed: int, state: RunState):
+        self.folder, self.seed = data_folder, seed
+        self.data = TrainingData(data_folder, state.cursor.num_shards)
+        if state.cursor.num_shards is None:
+            state.cursor.num_shards = len(self.data.manifest["shards"])
+        self.order = epoch_order(len(self.data), seed, state.cursor.epoch)
+
+    def next(self, state: RunState):
+        """The sequence at the run's cursor, moving the cursor on (into the next epoch where this one is done)."""
+        if state.cursor.position >= len(self.order):   # next epoch: pick up shards written since
+            self.data = None                            # (one copy of the features in memory at a time)
+            self.data = TrainingData(self.folder)
+            state.cursor = DataCursor(state.cursor.epoch + 1, 0, len(self.data.manifest["shards"]))
+            self.order = epoch_order(len(self.data), self.seed, state.cursor.epoch)
+        seq = self.data[self.order[state.cursor.position]]
+        state.cursor.position += 1
+        return seq
+
+
+def _accumulate(epoch: _Epoch, loss_of: LossFn, generator: torch.Generator, state: RunState,
+                opts: LoopOptions) -> tuple[float, int, dict]:
+    """Run the backward pass of one optimiser step's `seqs_per_step` sequences, accumulating their gradients, and
+    return the summed loss, the trained positions and the summed metrics (sequences with no positions add nothing)."""
+    total, positions, metrics_sum = 0.0, 0, {}
+    for _ in range(opts.seqs_per_step):
+        seq = epoch.next(state)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.precision == "bf16"):
+            loss, n, metrics = loss_of(seq, generator)
+        if n == 0:
+            continue
+        (loss / opts.seqs_per_step).backward()
+        total += float(loss.detach())
+        positions += n
+        for k, v in metrics.items():
+            metrics_sum[k] = metrics_sum.get(k, 0.0) + v
+    return total, positions, metrics_sum
+
+
 def train_loop(run_dir: Path, model: torch.nn.Module, data_folder: Path, loss_of: LossFn, opts: LoopOptions,
                export: Callable[[], None], extra: dict) -> RunState:
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -109,10 +151,7 @@ def train_loop(run_dir: Path, model: torch.nn.Module, data_folder: Path, loss_of
         state = RunState(extra=extra)
         torch.manual_seed(opts.seed)
     truncate_log(run_dir, state.step)
-    data = TrainingData(data_folder, state.cursor.num_shards)
-    if state.cursor.num_shards is None:
-        state.cursor.num_shards = len(data.manifest["shards"])
-    order = epoch_order(len(data), opts.seed, state.cursor.epoch)
+    epoch = _Epoch(data_folder, opts.seed, state)
     bar = tqdm(total=opts.max_steps, initial=state.step, desc=run_dir.name, disable=not opts.show_progress,
                mininterval=5)
     last_save, session_start, session_tokens = time.perf_counter(), time.perf_counter(), 0
@@ -125,24 +164,7 @@ def train_loop(run_dir: Path, model: torch.nn.Module, data_folder: Path, loss_of
             for group in optimizer.param_groups:
                 group["lr"] = _lr(opts, state.step)
             optimizer.zero_grad(set_to_none=True)
-            total, positions, metrics_sum = 0.0, 0, {}
-            for _ in range(opts.seqs_per_step):
-                if state.cursor.position >= len(order):   # next epoch: pick up shards written since
-                    data = None                            # (one copy of the features in memory at a time)
-                    data = TrainingData(data_folder)
-                    state.cursor = DataCursor(state.cursor.epoch + 1, 0, len(data.manifest["shards"]))
-                    order = epoch_order(len(data), opts.seed, state.cursor.epoch)
-                seq = data[order[state.cursor.position]]
-                state.cursor.position += 1
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.precision == "bf16"):
-                    loss, n, metrics = loss_of(seq, generator)
-                if n == 0:
-                    continue
-                (loss / opts.seqs_per_step).backward()
-                total += float(loss.detach())
-                positions += n
-                for k, v in metrics.items():
-                    metrics_sum[k] = metrics_sum.get(k, 0.0) + v
+            total, positions, metrics_sum = _accumulate(epoch, loss_of, generator, state, opts)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts.grad_clip))
             optimizer.step()
             dt = time.perf_counter() - t0
