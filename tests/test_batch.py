@@ -15,7 +15,7 @@ from whiflash_trt.runtime.kv_cache import KVCacheExhausted
 SPECS = [SpecConfig(mode="ar"), SpecConfig(mode="eagle3"), SpecConfig(mode="dflash"),
          SpecConfig(mode="eagle3", tree=TreeConfig(top_k=1, depth=4, total_tokens=5)),
          SpecConfig(mode="whiflash", router="entropy", threshold=1.5),
-         SpecConfig(mode="whiflash", router="neural", threshold=0.0, catch_up="eager")]
+         SpecConfig(mode="whiflash", router="neural", threshold=0.0, catch_up="eager"), SpecConfig(mode="suffix")]
 
 
 def jobs(engine: Engine, n: int, seed: int, sampling: bool = False) -> list[tuple]:

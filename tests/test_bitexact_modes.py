@@ -21,7 +21,7 @@ PROMPT_IDS = {"code": ["HumanEval/1"], "math": ["gsm_symbolic/seed0/0", "gsm_sym
               "chat": ["mt_bench/81/writing"]}
 MODES = [["--mode", "eagle3"], ["--mode", "dflash"], ["--mode", "dflash", "--dflash-tree-top-k", "1"],
          ["--mode", "dflash", "--dflash-tree-total-tokens", "16"], ["--mode", "whiflash", "--router", "entropy"],
-         ["--mode", "whiflash", "--router", "neural"]]
+         ["--mode", "whiflash", "--router", "neural"], ["--mode", "suffix"]]
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, DFLASH, EAGLE3, MODES, ROUTERS, CacheConfig,
-                                 DFlashTreeConfig, GenerationConfig, SamplingConfig, SpecConfig, TreeConfig)
+from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, DFLASH, EAGLE3, MODES, ROUTERS, SUFFIX, CacheConfig,
+                                 DFlashTreeConfig, GenerationConfig, SamplingConfig, SpecConfig, SuffixTreeConfig,
+                                 TreeConfig)
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
 from whiflash_trt.errors import SpecError, WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
@@ -271,8 +272,9 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--mode", default=AUTO, choices=[AUTO, *MODES],
-                   help="ar: target only; eagle3 / dflash: one drafter; whiflash: routed per round; auto: whiflash "
-                        "when the engine has both drafters, else its one drafter, else ar")
+                   help="ar: target only; eagle3 / dflash: one learned drafter; suffix: the parameter-free drafter "
+                        "(what followed the text's suffix before); whiflash: all three routed per round; auto: "
+                        "whiflash when the engine has both learned drafters, else its one drafter, else ar")
     p.add_argument("--router", default=AUTO, choices=[AUTO, *ROUTERS],
                    help="whiflash routing policy; auto: neural when the engine has router weights, else entropy")
     p.add_argument("--threshold", type=float, help="router threshold (default: the engine's calibrated one)")
@@ -296,6 +298,14 @@ def run_parser() -> argparse.ArgumentParser:
                                                          "chain (default: no limit)")
     p.add_argument("--dflash-tree-min-prob", type=float, help="DFlash tree: prefixes less probable than this are "
                                                               f"not verified (default: {DFlashTreeConfig.min_prob})")
+    p.add_argument("--suffix-tree-total-tokens", type=int, help="suffix tree: nodes verified per round at most, root "
+                                                                "included (default: "
+                                                                f"{DEFAULT_NODES_HELP[SUFFIX]})")
+    p.add_argument("--suffix-tree-min-prob", type=float, help="suffix tree: continuations seen less often than this "
+                                                              "share of the match's occurrences are not verified "
+                                                              f"(default: {SuffixTreeConfig.min_prob})")
+    p.add_argument("--suffix-tree-factor", type=float, help="suffix tree: depth at most this times the match's "
+                                                            f"length (default: {SuffixTreeConfig.factor})")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
@@ -339,9 +349,12 @@ def _requested_spec(args) -> SpecConfig:
     dflash_tree = {k: v for k, v in (("total_tokens", args.dflash_tree_total_tokens),
                                      ("top_k", args.dflash_tree_top_k), ("min_prob", args.dflash_tree_min_prob))
                    if v is not None}
+    suffix_tree = {k: v for k, v in (("total_tokens", args.suffix_tree_total_tokens),
+                                     ("min_prob", args.suffix_tree_min_prob), ("factor", args.suffix_tree_factor))
+                   if v is not None}
     return SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold,
                       catch_up=args.catch_up or SpecConfig.catch_up, tree=TreeConfig(**tree),
-                      dflash_tree=DFlashTreeConfig(**dflash_tree))
+                      dflash_tree=DFlashTreeConfig(**dflash_tree), suffix_tree=SuffixTreeConfig(**suffix_tree))
 
 
 def _given(args) -> list[str]:

@@ -196,9 +196,11 @@ class GenerationConfig:
 
 
 AUTO = "auto"   # a mode or router resolved by the engine to what it holds (runtime.policy)
-EAGLE3, DFLASH = "eagle3", "dflash"   # the drafters: the engine's registry, their KV pools, engine components
-AR, WHIFLASH = "ar", "whiflash"       # target only; both drafters routed per round
-MODE_DRAFTERS = {AR: (), EAGLE3: (EAGLE3,), DFLASH: (DFLASH,), WHIFLASH: (EAGLE3, DFLASH)}   # mode -> drafters run
+EAGLE3, DFLASH = "eagle3", "dflash"   # the learned drafters: the engine's registry, their KV pools, engine components
+SUFFIX = "suffix"                     # the parameter-free drafter: what followed the text's suffix before
+AR, WHIFLASH = "ar", "whiflash"       # target only; every drafter routed per round
+MODE_DRAFTERS = {AR: (), EAGLE3: (EAGLE3,), DFLASH: (DFLASH,), SUFFIX: (SUFFIX,),
+                 WHIFLASH: (EAGLE3, DFLASH, SUFFIX)}   # mode -> drafters run
 MODES = tuple(MODE_DRAFTERS)
 BACKENDS = ("torch", "compiled", "onnx", "tensorrt")
 GRAPH_BACKENDS = ("onnx", "tensorrt")   # the target and drafters run exported graphs (runtime.backends)
@@ -285,6 +287,23 @@ class DFlashTreeConfig:
         check_min_prob(self.min_prob)
 
 
+@dataclass(frozen=True)
+class SuffixTreeConfig:
+    """The suffix drafter's tree (spec.suffix): the most probable continuations of the longest earlier match, at
+    most total_tokens nodes (root included; None: runtime.tree_defaults), none below min_prob, and no deeper than
+    `factor` times the match length (SuffixDecoding's rule: a longer match earns a longer draft)."""
+    total_tokens: int | None = None
+    min_prob: float = 0.1
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.total_tokens is not None and self.total_tokens < 2:
+            raise ValueError(f"suffix tree total_tokens must be >= 2 (the root and a draft), got {self.total_tokens}")
+        if not self.factor > 0:
+            raise ValueError(f"suffix tree factor must be positive, got {self.factor}")
+        check_min_prob(self.min_prob)
+
+
 def check_min_prob(min_prob: float) -> None:
     """A draft tree's probability floor: a node is verified only if the drafter gives its path at least this
     probability (0: every node the budget allows)."""
@@ -302,6 +321,7 @@ class SpecConfig:
     catch_up: str = "lazy"
     tree: TreeConfig = field(default_factory=TreeConfig)   # EAGLE-3 only
     dflash_tree: DFlashTreeConfig = field(default_factory=DFlashTreeConfig)   # DFlash only
+    suffix_tree: SuffixTreeConfig = field(default_factory=SuffixTreeConfig)   # the suffix drafter only
 
     def __post_init__(self) -> None:
         if self.mode not in (AUTO, *MODES):

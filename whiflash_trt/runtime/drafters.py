@@ -1,4 +1,5 @@
-"""The two drafters as the engine sees them: catch up (KV-only prefill of the backlog) and propose a draft tree.
+"""The drafters as the round sees them (Proposer), and the two learned ones: catch up (KV-only prefill of the backlog)
+and propose a draft tree.
 
 Capabilities are data (name, scratch slots, tokens per round); the engine keeps them in a registry dict. Neither
 mutates the Sequence: both return the frontier they reached and the commit phase records it.
@@ -27,16 +28,31 @@ from whiflash_trt.spec.tree import DraftTree, select_nodes
 @dataclass(frozen=True)
 class Proposal:
     tree: DraftTree
-    frontier: int            # the drafter's frontier after drafting
+    frontier: int                  # the drafter's frontier after drafting
+    expected: float | None = None  # accepted drafts the drafter expects of this tree (a free drafter's offer)
 
 
 class Proposer:
-    """A drafter bound to its KV pool and the target, with its features' columns in the union capture of every verify.
-    Each has a name, for_spec(spec) (a copy shaped by the request's tree settings), max_tree_tokens() (nodes a
-    round verifies), scratch_slots() (pool slots its draft steps use), catch_up(seq, end=None, start=None) ->
-    frontier (the KV-only prefill of its backlog, from its frontier or `start`, up to `end` at most), propose(seq),
-    and propose_many(seqs) for proposers of one group_key()."""
+    """A drafter as the round sees it. Each has a name, for_spec(spec) (a copy shaped by the request's tree
+    settings), max_tree_tokens() (nodes a round verifies), scratch_slots() (pool slots its draft steps use),
+    catch_up(seq, end=None, start=None) -> frontier (bring its state up to the committed tokens, from its frontier or
+    `start`, up to `end` at most), propose(seq), and propose_many(seqs) for proposers of one group_key(). A `free`
+    drafter runs no model: it catches up and proposes every round before the route, which weighs its offer
+    (Proposal.expected); a learned one reads the target's features and is caught up only when it drafts (lazy)."""
     name: ClassVar[str]
+    free: ClassVar[bool] = False
+
+    def group_key(self) -> tuple:
+        """Proposers with equal keys can propose_many together."""
+        return (self.name,)
+
+    def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
+        return [self.propose(seq) for seq in seqs]
+
+
+class LearnedProposer(Proposer):
+    """A drafter model bound to its KV pool and the target, with its features' columns in the union capture of every
+    verify."""
 
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         self.model, self.pool, self.target = model, pool, target
@@ -53,15 +69,8 @@ class Proposer:
         """This drafter's columns (self.cols) of captured target features [T, union features]."""
         return captured if self._select is None else captured[:, self._select]
 
-    def group_key(self) -> tuple:
-        """Proposers with equal keys can propose_many together."""
-        return (self.name,)
 
-    def propose_many(self, seqs: list[Sequence]) -> list[Proposal]:
-        return [self.propose(seq) for seq in seqs]
-
-
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(LearnedProposer):
     name = EAGLE3
     model: Eagle3
     tree = TreeConfig()      # the request's shape: see with_tree
@@ -197,7 +206,7 @@ class _TreeSearch:
                          [0] + [self.depths[c] for c in chosen])
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(LearnedProposer):
     name = DFLASH
     model: DFlash
     tree = DFlashTreeConfig()   # the request's shape: a DDTree or the block's chain (see with_tree)
@@ -338,5 +347,3 @@ def max_prefix_tree_nodes(depth: int, top_k: int | None) -> int | float:
     """Nodes (root included) of the full tree of `depth` levels with `top_k` children each (None: unbounded)."""
     return float("inf") if top_k is None else 1 + sum(top_k ** d for d in range(1, depth + 1))
 
-
-PROPOSERS = {EAGLE3: Eagle3Proposer, DFLASH: DFlashProposer}   # the drafter registry: name -> proposer type

@@ -18,7 +18,8 @@ from whiflash_trt.config import (DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, CacheC
                                  GenerationConfig, SpecConfig, TreeConfig)
 from whiflash_trt.errors import SpecError, WhiflashError
 from whiflash_trt.runtime.batch import Batch
-from whiflash_trt.runtime.drafters import PROPOSERS, Proposer
+from whiflash_trt.runtime.drafter_kinds import FREE, LEARNED
+from whiflash_trt.runtime.drafters import Proposer
 from whiflash_trt.runtime.kv_cache import KVCache, kv_layouts
 from whiflash_trt.runtime.loading import EngineParts, load_parts
 from whiflash_trt.runtime.plan import Plan, check_options_apply
@@ -51,12 +52,13 @@ class Engine:
         union = tuple(sorted({layer for m in drafters.values() for layer in m.config.capture_layers}))
         self.runner = TargetRunner(self.target, self.kv.pools["target"], union)
         self.proposers: dict[str, Proposer] = {
-            name: PROPOSERS[name](m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
+            name: LEARNED[name](m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
+        self.proposers |= {name: kind(self.device) for name, kind in FREE.items()}
         # The throughput router (a v2 router file) weighs each choice by its seconds per round on this machine:
         # calibrated at load, then kept current by the rounds a request runs alone (runtime.round)
         self.round_seconds = LiveRoundSeconds()
         self._warned_trees: set[str] = set()
-        if self.router_file is not None and self.router_file.version == 2 and len(self.proposers) == 2:
+        if self.router_file is not None and self.router_file.version == 2 and len(drafters) == 2:
             self.round_seconds = cached_round_seconds(self, round_costs_cache)
 
     @property

@@ -10,7 +10,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, SpecConfig
+from whiflash_trt.config import DFLASH, EAGLE3, MODE_DRAFTERS, SUFFIX, WHIFLASH, SpecConfig
 from whiflash_trt.errors import SpecError
 
 if TYPE_CHECKING:   # annotations only: the front ends import the rule without the models
@@ -20,7 +20,8 @@ if TYPE_CHECKING:   # annotations only: the front ends import the rule without t
 ROUTING = ("router", "threshold", "catch_up")   # whiflash mode only
 EAGLE3_TREE = ("tree_top_k", "tree_depth", "tree_total_tokens", "tree_min_prob")   # SpecConfig.tree
 DFLASH_TREE = ("dflash_tree_total_tokens", "dflash_tree_top_k", "dflash_tree_min_prob")   # SpecConfig.dflash_tree
-PARAMS = ("mode", *ROUTING, *EAGLE3_TREE, *DFLASH_TREE)   # the neutral names of a request's speculation settings
+SUFFIX_TREE = ("suffix_tree_total_tokens", "suffix_tree_min_prob", "suffix_tree_factor")   # SpecConfig.suffix_tree
+PARAMS = ("mode", *ROUTING, *EAGLE3_TREE, *DFLASH_TREE, *SUFFIX_TREE)   # the neutral names of a request's speculation settings
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def check_options_apply(mode: str, given: Collection[str]) -> None:
         raise ValueError(f"not speculation settings: {', '.join(sorted(unknown))}")
     rules = ((ROUTING, mode == WHIFLASH, f"only to {{mode}} {WHIFLASH}"),
              (EAGLE3_TREE, EAGLE3 in MODE_DRAFTERS[mode], "only to the EAGLE-3 drafter"),
-             (DFLASH_TREE, DFLASH in MODE_DRAFTERS[mode], "only to the DFlash drafter"))
+             (DFLASH_TREE, DFLASH in MODE_DRAFTERS[mode], "only to the DFlash drafter"),
+             (SUFFIX_TREE, SUFFIX in MODE_DRAFTERS[mode], "only to the suffix drafter"))
     for names, applies, where in rules:
         ignored = tuple(p for p in names if p in given)
         if ignored and not applies:

@@ -24,12 +24,12 @@ import torch
 
 from whiflash_trt import kernels
 from whiflash_trt.models.contracts import TargetOutput
-from whiflash_trt.runtime.drafters import Proposer
+from whiflash_trt.runtime.drafters import Proposal, Proposer
 from whiflash_trt.runtime.request import Request
 from whiflash_trt.runtime.round_costs import LiveRoundSeconds
 from whiflash_trt.runtime.stats import PHASES
 from whiflash_trt.runtime.target_runner import Feed, TargetRunner
-from whiflash_trt.spec.router import NO_DRAFT, RouteSignal, route_signal
+from whiflash_trt.spec.router import NO_DRAFT, Offer, RouteSignal, route_signal
 from whiflash_trt.spec.sampling import next_token, target_probs
 from whiflash_trt.spec.tree import DraftTree
 from whiflash_trt.spec.verify import Verdict, verify_greedy, verify_sampling
@@ -42,6 +42,7 @@ class Route:
     frontiers: Mapping[str, int]     # drafter frontiers after catch-up
     prefill_tokens: int = 0          # prompt positions the drafters' KV-only prefill covered this round
     catch_up_tokens: int = 0         # generated positions caught up this round
+    offer: Proposal | None = None    # the chosen drafter's proposal when it is free (made before the route)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Round:
         live = [req for req in joining + running if not req.done]
         with clock.phase("verify", live, [len(feeds[id(req)].tokens) for req in live]):
             outs = self.forward(live, [feeds[id(req)] for req in live],
-                                capture=any(req.proposers for req in joining + running))
+                                capture=any(learned(req) for req in joining + running))
         for req in joining:
             if not req.done:
                 _guarded(req, prefilled, req, outs[id(req)])
@@ -117,8 +118,11 @@ class Round:
         drafts = {i: Draft(r, root[i], r.frontiers) for i, r in routes.items()}
         groups: dict[tuple, list[Request]] = defaultdict(list)
         for req in running:
-            if id(req) in routes and routes[id(req)].drafter in req.proposers:
-                groups[req.proposers[routes[id(req)].drafter].group_key()].append(req)
+            route = routes.get(id(req))
+            if route is not None and route.offer is not None:
+                drafts[id(req)] = Draft(route, route.offer.tree, {**route.frontiers, route.drafter: route.offer.frontier})
+            elif route is not None and route.drafter in req.proposers:
+                groups[req.proposers[route.drafter].group_key()].append(req)
         for members in groups.values():
             with clock.phase("draft", members):
                 proposed = _propose(members, [drafts[id(req)] for req in members])
@@ -126,12 +130,18 @@ class Round:
         return drafts
 
     def route(self, req: Request, clock: PhaseClock) -> Route | None:
-        """Choose the round's drafter, catch up the drafters the round needs, reserve the round's slots."""
+        """Hear the free drafters' offers, choose the round's drafter, catch up the drafters the round needs, reserve
+        the round's slots."""
+        with clock.phase("draft", [req]):
+            offers = _guarded(req, free_offers, req)
+        if offers is None:
+            return None
         with clock.phase("route", [req]):
-            name = _guarded(req, self.choose, req)
+            name = _guarded(req, self.choose, req, offers)
         if name is None:
             return None
-        drafters, route, prompt = self.caught_up(req, name), Route(name, {}), len(req.seq.prompt_ids)
+        route = Route(name, {n: p.frontier for n, p in offers.items()}, offer=offers.get(name))
+        drafters, prompt = self.caught_up(req, name), len(req.seq.prompt_ids)
         if any(req.seq.frontiers.get(p.name, 0) < prompt for p in drafters):   # a drafter's first round
             with clock.phase("drafter_prefill", [req]):
                 route = _guarded(req, catch_up, req, drafters, route, prompt_only=True)
@@ -143,10 +153,15 @@ class Round:
             return None
         return route
 
-    def choose(self, req: Request) -> str:
-        """The round's drafter: the router's choice, or the mode's one drafter. A name without a proposer (the
-        router's NO_DRAFT included), or a draft with no room left in the context window, is a target-only round."""
-        name = req.router.choose(req.signal) if req.router is not None else next(iter(req.proposers), NO_DRAFT)
+    def choose(self, req: Request, offers: Mapping[str, Proposal]) -> str:
+        """The round's drafter: the router's choice (weighing the free drafters' `offers` of more than the root), or
+        the mode's one drafter. A name without a proposer (the router's NO_DRAFT included), or a draft with no room
+        left in the context window, is a target-only round."""
+        if req.router is not None:
+            name = req.router.choose(req.signal, {n: Offer(p.expected or 0.0, len(p.tree.tokens))
+                                                  for n, p in offers.items() if len(p.tree.tokens) > 1})
+        else:
+            name = next(iter(req.proposers), NO_DRAFT)
         proposer = req.proposers.get(name)
         if proposer is None or req.seq.num_committed + proposer.max_tree_tokens() > self.max_positions:
             return NO_DRAFT
@@ -154,10 +169,10 @@ class Round:
 
     @staticmethod
     def caught_up(req: Request, name: str) -> list[Proposer]:
-        """The drafters a round catches up: the chosen one (lazy) or every drafter of the mode (eager)."""
-        if req.spec.catch_up == "eager":
-            return list(req.proposers.values())
-        return [req.proposers[name]] if name in req.proposers else []
+        """The learned drafters a round catches up (the free ones are already): the chosen one (lazy) or every one of
+        the mode (eager)."""
+        learned = [p for p in req.proposers.values() if not p.free]
+        return learned if req.spec.catch_up == "eager" else [p for p in learned if p.name == name]
 
     # ----- verify -> commit ---------------------------------------------------------------------------------------
     def forward(self, reqs: list[Request], feeds: list[Feed], capture: bool) -> dict[int, TargetOutput]:
@@ -183,7 +198,7 @@ class Round:
         if not tree.is_chain:
             self.runner.pool.copy_slots(*seq.compaction(verdict.path))
         features = None
-        if req.proposers and out.captured is not None:   # the accepted nodes' rows (a prefix: a view)
+        if learned(req) and out.captured is not None:   # the accepted nodes' rows (a prefix: a view)
             path, n = verdict.path, len(verdict.path)
             features = (out.captured[:n] if path[-1] == n - 1
                         else out.captured.index_select(0, torch.tensor(path, device=out.captured.device)))
@@ -209,6 +224,21 @@ def catch_up(req: Request, proposers: list[Proposer], route: Route, prompt_only:
     if prompt_only:
         return replace(route, frontiers=frontiers, prefill_tokens=tokens)
     return replace(route, frontiers=frontiers, catch_up_tokens=tokens)
+
+
+def free_offers(req: Request) -> dict[str, Proposal]:
+    """Each free drafter's proposal for this round, after it caught up with the committed tokens."""
+    offers = {}
+    for name, p in req.proposers.items():
+        if p.free:
+            p.catch_up(req.seq)
+            offers[name] = p.propose(req.seq)
+    return offers
+
+
+def learned(req: Request) -> bool:
+    """Whether `req` runs a learned drafter: only those read the target's features."""
+    return any(not p.free for p in req.proposers.values())
 
 
 def reserve(req: Request, drafter: str) -> bool:
@@ -241,7 +271,7 @@ def prefilled(req: Request, out: TargetOutput) -> None:
     prefill runs when it is first chosen, or every round with eager catch-up)."""
     seq = req.seq
     bonus = next_token(out.logits[-1], req.gen.sampling, req.generator)
-    seq.commit(seq.prompt_ids, bonus, out.captured if req.proposers else None, {name: 0 for name in req.proposers})
+    seq.commit(seq.prompt_ids, bonus, out.captured if learned(req) else None, {name: 0 for name in req.proposers})
     if req.router is not None:   # only a router reads the signal
         req.signal = signal_of(out.logits[-1], out.hidden[-1])
     req.extend([bonus])

@@ -42,15 +42,17 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from whiflash_trt import __version__, kernels
-from whiflash_trt.config import AR, DFLASH, EAGLE3, DFlashTreeConfig, GenerationConfig, SpecConfig, TreeConfig
+from whiflash_trt.config import (AR, DFLASH, EAGLE3, SUFFIX, DFlashTreeConfig, GenerationConfig, SpecConfig,
+                                 TreeConfig)
 from whiflash_trt.runtime.device import cpu_model
-from whiflash_trt.spec.router import NO_DRAFT
+from whiflash_trt.spec.router import NO_DRAFT, VERIFY_ROW
 
 # a drafter's round costs more where it drafts a bigger tree (EAGLE-3 with a probability floor: where it is sure), so
 # the calibration decodes one prompt where the drafters are sure (code) and one where they are not (open prose); and
@@ -76,7 +78,7 @@ DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "round-costs"
 def calibration_key(engine) -> str:
     """What the costs depend on besides the machine's load."""
     what = {"manifest": dataclasses.asdict(engine.manifest), "target": type(engine.target).__name__,
-            "proposers": sorted(f"{n}:{type(p.model).__name__}" for n, p in engine.proposers.items()),
+            "proposers": sorted(f"{n}:{type(getattr(p, 'model', p)).__name__}" for n, p in engine.proposers.items()),
             "device": str(engine.device), "threads": torch.get_num_threads(), "cpu": cpu_model(),
             "gemm": kernels.gemm() if kernels.registered() else None,
             "trees": [repr(TreeConfig()), repr(DFlashTreeConfig()),
@@ -94,7 +96,7 @@ def cached_round_seconds(engine, cache_dir: Path | None = DEFAULT_CACHE) -> dict
     path = Path(cache_dir) / f"{calibration_key(engine)}.json"
     try:
         costs = {k: float(v) for k, v in json.loads(path.read_text())["round_seconds"].items()}
-        if costs and all(c > 0 for c in costs.values()):
+        if costs.get(NO_DRAFT, 0) > 0 and all(c >= 0 for c in costs.values()):
             return costs
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
@@ -120,7 +122,27 @@ def measure_round_seconds(engine, new_tokens: int = 10, reps: int = 3, warmup_to
     gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     runs = [seconds_per_round_by_prompt(engine, prompts, gen) for _ in range(reps)]
     # a repetition's cost: the mean over the prompts
-    return {choice: statistics.median(statistics.fmean(run[choice]) for run in runs) for choice in runs[0]}
+    costs = {choice: statistics.median(statistics.fmean(run[choice]) for run in runs) for choice in runs[0]}
+    if SUFFIX in engine.proposers:   # a free drafter's round: a target-only one plus its verified rows
+        costs[VERIFY_ROW] = verify_row_seconds(engine, prompts[0], engine.proposers[SUFFIX].max_tree_tokens())
+    return costs
+
+
+def verify_row_seconds(engine, prompt: list[int], rows: int, reps: int = 5) -> float:
+    """Seconds one more verified row adds to a target step at `prompt`'s context: the median step over `rows` rows
+    less the median step over one, per further row."""
+    if rows < 2:
+        return 0.0
+    seconds: dict[int, list[float]] = {1: [], rows: []}
+    with engine.scratch_sequence(prompt, len(prompt) + rows) as seq:
+        engine.runner.step(seq, prompt, logits_rows=[len(prompt) - 1])
+        seq.commit(prompt, prompt[-1])
+        for _ in range(reps):
+            for n, samples in seconds.items():   # the step writes past the committed tokens: each sees the same cache
+                start = time.perf_counter()
+                engine.runner.step(seq, prompt[-n:])
+                samples.append(time.perf_counter() - start)
+    return max(0.0, (statistics.median(seconds[rows]) - statistics.median(seconds[1])) / (rows - 1))
 
 
 def choice_modes(engine) -> dict[str, str]:

@@ -21,14 +21,15 @@ from __future__ import annotations
 import torch
 
 from whiflash_trt import kernels
-from whiflash_trt.config import DFLASH, EAGLE3
+from whiflash_trt.config import DFLASH, EAGLE3, SUFFIX
 
-NODES = {EAGLE3: 6, DFLASH: 6}
+NODES = {EAGLE3: 6, DFLASH: 6, SUFFIX: 6}
 NODES_BY_GEMM = {"amx": {EAGLE3: 8, DFLASH: 5}}
-DEFAULT_NODES_HELP = {d: f"{NODES_BY_GEMM['amx'][d]} where the GEMM runs on AMX tiles, else {NODES[d]}" for d in NODES}
+DEFAULT_NODES_HELP = {d: f"{NODES_BY_GEMM['amx'][d]} where the GEMM runs on AMX tiles, else {NODES[d]}"
+                      for d in NODES_BY_GEMM["amx"]} | {SUFFIX: str(NODES[SUFFIX])}
 
 
 def default_nodes(drafter: str, device: torch.device) -> int:
     """Nodes (root included) that `drafter`'s tree verifies by default on `device` with this process's GEMM loop."""
     gemm = kernels.gemm() if device.type == "cpu" and kernels.registered() else None
-    return NODES_BY_GEMM.get(gemm, NODES)[drafter]
+    return NODES_BY_GEMM.get(gemm, {}).get(drafter, NODES[drafter])

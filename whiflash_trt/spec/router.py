@@ -25,6 +25,11 @@ machine that runs the engine and kept current by its rounds: runtime.round_costs
 against 1 / c_none for a target-only round. The best drafter drafts when its rate exceeds `threshold` times the
 target-only rate (threshold 1: the pure objective; above 1 a drafter must win by a margin), else the round is
 target-only.
+
+Free drafters (the suffix drafter) propose before the route, so every rule also hears their offers: the number of
+drafts a free drafter's tree expects to be accepted, and the nodes it verifies. The entropy and v1 rules take the best
+offer when it expects at least `offer_threshold` accepted drafts; the throughput rule weighs an offer as one more
+option, at the cost of a target-only round plus its verified rows (round_seconds[VERIFY_ROW] a row).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -40,6 +46,9 @@ from torch import nn
 from whiflash_trt.config import DFLASH, EAGLE3
 
 DEFAULT_ENTROPY_THRESHOLD = 1.0
+DEFAULT_OFFER_THRESHOLD = 0.5           # accepted drafts a free drafter's offer must expect (entropy and v1 rules)
+NO_OFFERS: Mapping[str, "Offer"] = MappingProxyType({})
+VERIFY_ROW = "verify_row"               # round_seconds' key of the seconds one more verified row adds to a round
 NO_DRAFT = "none"                       # a target-only round (the engine runs one for any name it has no drafter of)
 DRAFTERS = (EAGLE3, DFLASH)             # the throughput router's output order
 _SQRT_HALF = math.sqrt(0.5)
@@ -53,6 +62,19 @@ class RouteSignal:
     margin: float = 0.0      # top-1 minus top-2 probability of the same distribution
     drafter: str | None = None   # who drafted the round that left it: EAGLE3, DFLASH, NO_DRAFT; None after prefill
     accepted: int = 0        # that round's accepted drafts
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A free drafter's proposal as a router weighs it."""
+    expected: float          # accepted drafts its tree expects
+    nodes: int               # nodes it verifies, root included
+
+
+def best_offer(offers: Mapping[str, Offer], threshold: float) -> str | None:
+    """The offer expecting the most accepted drafts, if that is at least `threshold`."""
+    best = max(offers, key=lambda n: offers[n].expected, default=None)
+    return best if best is not None and offers[best].expected >= threshold else None
 
 
 def entropy_and_margin(logits: torch.Tensor) -> tuple[float, float]:
@@ -83,26 +105,31 @@ def route_signal(logits: torch.Tensor, hidden: torch.Tensor, drafter: str | None
 
 
 class Router(Protocol):
-    """One per request: choose names the drafter (EAGLE3 or DFLASH) of the next round."""
+    """One per request: choose names the drafter of the next round (NO_DRAFT: none) from the last round's signal
+    and the free drafters' offers."""
     threshold: float
 
-    def choose(self, signal: RouteSignal) -> str: ...
+    def choose(self, signal: RouteSignal, offers: Mapping[str, Offer] = NO_OFFERS) -> str: ...
 
 
 class EntropyRouter(Router):
     def __init__(self, threshold: float = DEFAULT_ENTROPY_THRESHOLD, alpha: float = 0.5,
-                 none_threshold: float = math.inf) -> None:
+                 none_threshold: float = math.inf, offer_threshold: float = DEFAULT_OFFER_THRESHOLD) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"entropy smoothing alpha must be in (0, 1], got {alpha}")
         self.threshold, self.alpha, self.none_threshold = threshold, alpha, none_threshold
+        self.offer_threshold = offer_threshold
         self.smoothed: float | None = None
 
     def reset(self) -> None:
         self.smoothed = None
 
-    def choose(self, signal: RouteSignal) -> str:
+    def choose(self, signal: RouteSignal, offers: Mapping[str, Offer] = NO_OFFERS) -> str:
         e = signal.entropy
         self.smoothed = e if self.smoothed is None else self.alpha * e + (1 - self.alpha) * self.smoothed
+        offer = best_offer(offers, self.offer_threshold)
+        if offer is not None:
+            return offer
         if self.smoothed >= self.none_threshold:
             return NO_DRAFT
         return DFLASH if self.smoothed < self.threshold else EAGLE3
@@ -121,14 +148,17 @@ class RouterMLP(nn.Module):
 
 
 class NeuralRouter(Router):
-    def __init__(self, mlp: RouterMLP, threshold: float) -> None:
-        self.mlp, self.threshold = mlp, threshold
+    def __init__(self, mlp: RouterMLP, threshold: float, offer_threshold: float = DEFAULT_OFFER_THRESHOLD) -> None:
+        self.mlp, self.threshold, self.offer_threshold = mlp, threshold, offer_threshold
 
     def predict(self, hidden: torch.Tensor) -> float:
         with torch.inference_mode():
             return float(self.mlp(hidden.float()))
 
-    def choose(self, signal: RouteSignal) -> str:
+    def choose(self, signal: RouteSignal, offers: Mapping[str, Offer] = NO_OFFERS) -> str:
+        offer = best_offer(offers, self.offer_threshold)
+        if offer is not None:
+            return offer
         return DFLASH if self.predict(signal.hidden) > self.threshold else EAGLE3
 
 
@@ -207,10 +237,14 @@ class FrozenPredictor:
         return [b + sum(map(operator.mul, row, h)) for row, b in zip(self.w2, self.b2)]
 
 
-def best_option(expected: dict[str, float], round_seconds: Mapping[str, float], threshold: float) -> str:
+def best_option(expected: dict[str, float], round_seconds: Mapping[str, float], threshold: float,
+                offers: Mapping[str, Offer] = NO_OFFERS) -> str:
     """The throughput rule: `expected[d]` = E[accepted drafts of d]; the drafter with the highest expected tokens
-    per second drafts if that beats `threshold` times a target-only round's rate, else NO_DRAFT."""
+    per second drafts if that beats `threshold` times a target-only round's rate, else NO_DRAFT. An offer's round
+    costs a target-only round plus its verified rows."""
     rate = {d: (max(a, 0.0) + 1) / round_seconds[d] for d, a in expected.items()}
+    row = round_seconds.get(VERIFY_ROW, 0.0)
+    rate |= {n: (o.expected + 1) / (round_seconds[NO_DRAFT] + row * (o.nodes - 1)) for n, o in offers.items()}
     best = max(rate, key=rate.get)
     return best if rate[best] > threshold / round_seconds[NO_DRAFT] else NO_DRAFT
 
@@ -230,6 +264,6 @@ class ThroughputRouter(Router):
     def expected(self, signal: RouteSignal) -> dict[str, float]:
         return dict(zip(DRAFTERS, self.predict(self.history.features(signal.entropy, signal.margin))))
 
-    def choose(self, signal: RouteSignal) -> str:
+    def choose(self, signal: RouteSignal, offers: Mapping[str, Offer] = NO_OFFERS) -> str:
         self.history.update(signal.drafter, signal.accepted)
-        return best_option(self.expected(signal), self.round_seconds, self.threshold)
+        return best_option(self.expected(signal), self.round_seconds, self.threshold, offers)
