@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = {name: {c: sum(len(measured[k]["output"]) for k in ks) / sum(s[k] for k in ks) for c, ks in groups.items()}
             for name, s in seconds.items()}
     best = {c: max(rate[f"static {EAGLE3}"][c], rate[f"static {DFLASH}"][c]) for c in groups}
-    print(f"costs (ms): " + ", ".join(f"{d} {1000 * c:.2f}" for d, c in costs.items())
+    print("costs (ms): " + ", ".join(f"{d} {1000 * c:.2f}" for d, c in costs.items())
           + "; gate forwards timed here (ms): " + ", ".join(f"{d} {1000 * s:.2f}" for d, s in timed.items())
           + f"; {len(measured)} prompts, {args.folds} folds; load average {environment.load_average()}")
     print("\n| policy | " + " | ".join(groups) + " |\n|---|" + "---|" * len(groups))

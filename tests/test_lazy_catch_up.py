@@ -5,8 +5,6 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-import pytest
-
 from whiflash_trt.config import DFLASH, DFlashTreeConfig, GenerationConfig, SpecConfig
 
 

@@ -1,7 +1,8 @@
 """`whiflash-serve --openai` under hostile input, as a real server process on 127.0.0.1 with an API key and small
 limits, driven by the official `openai` client and httpx: every limit is answered with its OpenAI error object (401,
-413, 415, 400, 429), and under a load of well-formed streams mixed with hostile requests every stream still gets
-exactly its single-request output, /health answers promptly, and no KV block is left allocated."""
+413, 415, 400; 429 in process, the engine's worker held so that the queue stays full), and under a load of
+well-formed streams mixed with hostile requests every stream still gets exactly its single-request output, /health
+answers promptly, and no KV block is left allocated."""
 from __future__ import annotations
 
 import json
@@ -119,24 +120,80 @@ def test_chat_without_max_tokens_gets_the_servers_default_not_the_whole_context(
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_full_queue_is_answered_429(spec_engine_dir, tmp_path):
-    """One request runs (--max-batch 1), one waits (--max-queue 1): the next is refused, and served once they end."""
-    with serving(spec_engine_dir, tmp_path / "server.log", "--max-batch", "1", "--max-queue", "1") as url:
-        long = completion(max_tokens=100, mode="ar", ignore_eos=True)   # 100 target-only rounds each (> 1 s)
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=120)
-            second = pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=120)
-            deadline = time.monotonic() + 30
-            while (health := httpx.get(f"{url}/health").json())["queue_length"] < 1 or not health["running"]:
-                assert time.monotonic() < deadline, "the second request never queued"
-                time.sleep(0.02)
-            r = httpx.post(f"{url}/v1/completions", json=completion(), timeout=30)
-            assert error_of(r, 429)["code"] == "queue_full"
+HOLD_LIMIT_S = 60   # how long the held worker waits for the test at most (a failing test must not hang)
+
+
+class HeldScheduler:
+    """The server's BatchScheduler whose worker stops in its first request's second round until `release` is set:
+    that request stays running and the next one stays queued for as long as the test needs, whatever the machine's
+    load. Everything but `submit` is the real scheduler's."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler, self.num_submitted = scheduler, 0
+        self.running, self.queued, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def submit(self, request) -> None:
+        self.num_submitted += 1
+        if self.num_submitted == 1:
+            request.sink = HeldSink(request.sink, self)
+        self.scheduler.submit(request)
+        if self.num_submitted == 2:
+            self.queued.set()
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+
+
+class HeldSink:
+    """A RequestSink whose second `tokens` (called on the scheduler's worker, inside its step) waits for `release`:
+    in the first round the request is still joining the batch, from the second on it is one of its running."""
+
+    def __init__(self, sink, held: HeldScheduler) -> None:
+        self.sink, self.held, self.num_rounds = sink, held, 0
+
+    def tokens(self, new_ids) -> None:
+        self.num_rounds += 1
+        if self.num_rounds == 2:
+            self.held.running.set()
+            self.held.release.wait(HOLD_LIMIT_S)
+        self.sink.tokens(new_ids)
+
+    def __getattr__(self, name):
+        return getattr(self.sink, name)
+
+
+def test_a_full_queue_is_answered_429(spec_engine_dir):
+    """In process (the app over a real engine and BatchScheduler, max_running 1, max_queue 1): one request runs, held
+    in its second round; one waits; the next is refused 429 (the openai client's RateLimitError); once the held one
+    goes on, both are served and so is the next."""
+    from fastapi.testclient import TestClient
+
+    from whiflash_trt.runtime.engine import Engine
+    from whiflash_trt.serving.openai_api.app import OpenAIServer
+    from whiflash_trt.serving.openai_api.limits import ServerLimits
+    from whiflash_trt.serving.scheduler import BatchScheduler
+
+    engine = Engine.load(spec_engine_dir)
+    held = HeldScheduler(BatchScheduler(engine, threads=1, max_running=1))
+    app = OpenAIServer(engine, held, MODEL, ServerLimits(max_queue=1)).app()
+    body = completion(max_tokens=8, mode="ar", ignore_eos=True)
+    with TestClient(app, raise_server_exceptions=False) as client, ThreadPoolExecutor(2) as pool:
+        try:
+            first = pool.submit(client.post, "/v1/completions", json=body)
+            assert held.running.wait(HOLD_LIMIT_S), "the first request never ran"
+            second = pool.submit(client.post, "/v1/completions", json=body)
+            assert held.queued.wait(HOLD_LIMIT_S), f"the second request never queued: {second}"
+            health = client.get("/health").json()
+            assert (health["running"], health["queue_length"]) == (1, 1)
+            assert error_of(client.post("/v1/completions", json=completion()), 429)["code"] == "queue_full"
             with pytest.raises(openai.RateLimitError):
-                openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).completions.create(
-                    **completion())
-            assert first.result().status_code == second.result().status_code == 200
-        assert httpx.post(f"{url}/v1/completions", json=completion(), timeout=30).status_code == 200
+                openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                              http_client=client).completions.create(**completion())
+            assert not first.done() and not second.done()
+        finally:
+            held.release.set()
+        assert first.result().status_code == second.result().status_code == 200
+        assert client.post("/v1/completions", json=completion()).status_code == 200
 
 
 # ----- the load test -----------------------------------------------------------------------------------------------

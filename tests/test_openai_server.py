@@ -340,6 +340,13 @@ def test_bad_server_options_are_one_error_line_before_anything_loads(capsys, tmp
         assert capsys.readouterr().err.strip() == f"error: {option[2:]} must be >= 1, got {value}"
 
 
+def test_a_device_that_cannot_run_here_is_named_by_its_flag_before_anything_loads(capsys, tmp_path):
+    # no engine at this path and no CUDA device 99 anywhere: the device check fails first, spelled as a CLI flag
+    assert serve_main(["--openai", "--engine", str(tmp_path / "none"), "--port", "9", "--device", "cuda:99"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device cuda:99: ") and len(err.strip().splitlines()) == 1, err
+
+
 def test_the_runtime_and_the_triton_cli_do_not_import_the_web_stack():
     code = ("import sys, whiflash_trt.cli, whiflash_trt.runtime.engine; "
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client') if m in sys.modules))")

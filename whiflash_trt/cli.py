@@ -197,6 +197,8 @@ def _openai_main(argv: list[str]) -> int:
         check_device(args.device)
         engine_dir = args.engine if args.engine is not None else default_engine(args.cache_dir)
         run_server(replace(opts, engine_dir=engine_dir))
+    except SpecError as e:
+        return _fail(e.spelled(_flag))
     except (WhiflashError, ValueError, OSError) as e:
         return _fail(str(e))
     return 0
@@ -333,7 +335,8 @@ def run_main(argv: list[str] | None = None) -> int:
 
 
 def _flag(param: str) -> str:
-    """whiflash-run's flag of a speculation setting (runtime.plan.PARAMS): its neutral name with dashes."""
+    """whiflash-run's flag of a speculation or load setting (runtime.plan.PARAMS, "device", "threads", "backend"): its
+    neutral name with dashes. whiflash-serve --openai spells its load settings the same way."""
     return "--" + param.replace("_", "-")
 
 

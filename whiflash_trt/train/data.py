@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from whiflash_trt.models.contracts import feature_columns
 from whiflash_trt.train.generate import BatchedGenerator, Finished
-from whiflash_trt.train.sources import CATEGORIES, PromptRecord, build_prompts, require_prompt_packages
+from whiflash_trt.train.sources import PromptRecord, build_prompts, require_prompt_packages
 from whiflash_trt.runtime.tokenizer_policy import chat_ids, eos_ids
 from whiflash_trt.train.target import load_engine_target
 
