@@ -4,13 +4,17 @@ from __future__ import annotations
 import copy
 import json
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from whiflash_trt.bench.lossless import NEAR_TIE, check_lossless, first_difference
 from whiflash_trt.bench.modes import BASE_MODES, base_mode, sweep_points
-from whiflash_trt.bench.prompts import CATEGORIES, load_prompts, prompt_set_digest
+from whiflash_trt.bench.prompts import (CATEGORIES, COPY_CATEGORIES, SOURCE_CATEGORIES, builtin_set, load_prompts,
+                                        prompt_set_digest)
 from whiflash_trt.config import SpecConfig
 from whiflash_trt.errors import WhiflashError
 
@@ -20,7 +24,8 @@ CATS = ",".join(CATEGORIES)
 # ----- prompt sets ----------------------------------------------------------------------------------------------
 def test_builtin_prompt_sets_are_versioned_and_complete():
     sizes = {c: len(load_prompts([c], None)) for c in CATEGORIES}
-    assert sizes == {"code": 164, "math": 100, "json": 100, "chat": 80, "mix": 444}
+    assert sizes == {"code": 164, "math": 100, "json": 100, "chat": 80, "mix": 444, "edit": 47, "extract": 22,
+                     "summarize": 22, "reformat": 24, "rewrite": 22}
     everything = load_prompts(None, None)
     assert len({p.id for p in everything}) == len(everything)
     assert prompt_set_digest(everything) == prompt_set_digest(load_prompts(None, None))
@@ -32,6 +37,23 @@ def test_mix_interleaves_categories_without_repeating_the_first_prompts():
     assert [p.id.split("/")[1] for p in mix[:4]] == ["HumanEval", "gsm_symbolic", "multiple_49", "mt_bench"]
     heads = {p.prompt for c in ("code", "math", "json", "chat") for p in load_prompts([c], 20)}
     assert not heads & {p.prompt for p in load_prompts(["mix"], 80)}
+
+
+@pytest.mark.parametrize("category", COPY_CATEGORIES)
+def test_copy_category_loads_at_least_20_prompts_with_unique_ids(category):
+    prompts = builtin_set(category)
+    assert len(prompts) >= 20 and len({p.id for p in prompts}) == len(prompts)
+    assert all(p.category == category and p.source and p.prompt for p in prompts)
+
+
+@pytest.mark.parametrize("category", SOURCE_CATEGORIES)
+def test_make_bench_prompts_check_reproduces_the_committed_file(category):
+    """Skipped where a source package is missing or at another version (the script's exit status 3)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_bench_prompts.py"
+    run = subprocess.run([sys.executable, str(script), "--check", category], capture_output=True, text=True)
+    if run.returncode == 3:
+        pytest.skip(run.stderr.strip())
+    assert run.returncode == 0, run.stderr
 
 
 def test_prompts_file_keeps_its_categories_and_rejects_unknown_ones(tmp_path):
@@ -156,7 +178,7 @@ def test_bench_writes_results_json_with_every_section(bench_run):
         assert key in results, key
     assert len(results["engine"]["manifest_sha256"]) == 64
     assert results["environment"]["versions"]["torch"] == torch.__version__
-    assert len(results["records"]) == 5 * 2 * (len(BASE_MODES) + 2)
+    assert len(results["records"]) == len(CATEGORIES) * 2 * (len(BASE_MODES) + 2)
     for cat in CATEGORIES:
         for mode in BASE_MODES:
             cell = results["summary"][cat][mode]

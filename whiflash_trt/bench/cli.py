@@ -8,7 +8,7 @@ from pathlib import Path
 
 from whiflash_trt.bench.harness import BenchOptions, run_benchmark
 from whiflash_trt.bench.modes import BASE_MODES
-from whiflash_trt.bench.prompts import CATEGORIES
+from whiflash_trt.bench.prompts import CATEGORIES, COPY_CATEGORIES, MIX_CATEGORIES
 from whiflash_trt.config import CATCH_UP, DFLASH, EAGLE3, DFlashTreeConfig, SpecConfig, TreeConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
@@ -32,8 +32,9 @@ def parser() -> argparse.ArgumentParser:
                                 "overhead of every decoding mode, side by side, with a losslessness check.",
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--engine", type=Path, help="engine directory (default: the embedded SmolLM2-135M, built once)")
-    p.add_argument("--categories", type=_names, help=f"comma-separated, from {','.join(CATEGORIES)} "
-                                                     f"(default: all, or all of --prompts-file)")
+    p.add_argument("--categories", type=_names, help=f"comma-separated, from {','.join(CATEGORIES)}; mix is "
+                   f"{','.join(MIX_CATEGORIES)} interleaved; {','.join(COPY_CATEGORIES)} are requests whose answers "
+                   "copy from them (default: all, or all of --prompts-file)")
     p.add_argument("--modes", type=_names, default=BASE_MODES, help=f"comma-separated, from {','.join(BASE_MODES)} "
                                                                     f"(default: all; ar is required)")
     p.add_argument("--num-prompts", type=int, help="prompts per category (default: the whole set)")

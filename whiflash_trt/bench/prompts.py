@@ -5,7 +5,14 @@ Categories and sources (disjoint from the drafter training data; the script's do
     json  bfcl-eval simple_python / multiple as tool-call requests    chat  MT-Bench first turns
     mix   round-robin over code, math, json, chat, each taken from the END of its list, so a run of N <= half a
           set per category measures different prompts in mix than in the single categories
-Every prompt is a user message; the harness wraps it in the target's chat template.
+Categories where the answer copies from the request (a prompt-lookup drafter's ground), mix and held-out left out:
+    edit       more-itertools functions, each with a stated change, answered with the whole modified function
+    extract    a boltons docstring and a question answered by quoting it
+    summarize  a boltons docstring to summarize
+    reformat   palmerpenguins rows to JSON, JSON with renamed keys, or a tool call whose arguments are in the request
+    rewrite    a first answer (a boltons docstring) quoted in the message, and a request to rewrite it
+Every prompt is a user message (rewrite's second turn quotes the first answer rather than being a second turn);
+the harness wraps it in the target's chat template.
 """
 from __future__ import annotations
 
@@ -19,8 +26,12 @@ from whiflash_trt.errors import WhiflashError
 from whiflash_trt.prompt_lines import parse_prompt_lines
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-SOURCE_CATEGORIES = ("code", "math", "json", "chat")
-CATEGORIES = SOURCE_CATEGORIES + ("mix",)
+# mix and the held-out prompts draw from these four only, as before the copy categories came: their numbers stay
+# comparable with older runs
+MIX_CATEGORIES = ("code", "math", "json", "chat")
+COPY_CATEGORIES = ("edit", "extract", "summarize", "reformat", "rewrite")
+SOURCE_CATEGORIES = MIX_CATEGORIES + COPY_CATEGORIES   # one file each under bench/data
+CATEGORIES = MIX_CATEGORIES + ("mix",) + COPY_CATEGORIES
 HELD_OUT_FROM = 10   # the tools' held-out prompts start here in each set (the headline bench runs 5)
 
 
@@ -47,9 +58,9 @@ def builtin_set(category: str) -> list[BenchPrompt]:
 
 
 def held_out_prompts(num_prompts: int, skip: int = HELD_OUT_FROM) -> list[BenchPrompt]:
-    """Prompts skip .. skip + num_prompts - 1 of each source category, category by category: for tools that measure
+    """Prompts skip .. skip + num_prompts - 1 of each of MIX_CATEGORIES, category by category: for tools that measure
     or tune outside the benchmark, which runs the first prompts of each set."""
-    return [p for c in SOURCE_CATEGORIES for p in builtin_set(c)[skip:skip + num_prompts]]
+    return [p for c in MIX_CATEGORIES for p in builtin_set(c)[skip:skip + num_prompts]]
 
 
 def add_held_out_options(parser: argparse.ArgumentParser) -> None:
@@ -62,10 +73,10 @@ def add_held_out_options(parser: argparse.ArgumentParser) -> None:
 
 
 def mix_set(sets: dict[str, list[BenchPrompt]]) -> list[BenchPrompt]:
-    """Round-robin over the source categories, each read from the end of its list."""
+    """Round-robin over MIX_CATEGORIES, each read from the end of its list."""
     out = []
-    for i in range(max(len(s) for s in sets.values())):
-        for name in SOURCE_CATEGORIES:
+    for i in range(max(len(sets[name]) for name in MIX_CATEGORIES)):
+        for name in MIX_CATEGORIES:
             items = sets[name]
             if i < len(items):
                 p = items[len(items) - 1 - i]
