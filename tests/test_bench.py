@@ -188,8 +188,10 @@ def test_bench_writes_results_json_with_every_section(bench_run):
     assert results["summary"]["code"]["ar"]["tau"] == 1.0
     assert {p["mode"] for p in results["threshold_sweep"]["whiflash-neural"]} == {"whiflash-neural",
                                                                                   "whiflash-neural@-0.5"}
-    # The fixture's router routes to both drafters, so the losslessness check covers switching.
-    assert set(results["summary"]["all"]["whiflash-neural"]["round_share"]) == {"eagle3", "dflash"}
+    # The fixture's router routes to both learned drafters (and the suffix drafter's offers win some rounds), so the
+    # losslessness check covers switching.
+    assert {"eagle3", "dflash"} <= set(results["summary"]["all"]["whiflash-neural"]["round_share"]) <= {
+        "eagle3", "dflash", "suffix", "none"}
 
 
 def test_bench_times_the_roofline_beside_every_prompt(bench_run):

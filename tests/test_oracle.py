@@ -21,7 +21,7 @@ def test_dp_finds_the_hand_computed_mixed_routing():
     accepted = {"eagle3": [1, 0, 0, 0, 0, 0], "dflash": [0, 0, 3, 0, 0, 0]}
     plan = solve(accepted, COSTS)
     assert plan.seconds == pytest.approx(4.0) and plan.choices == ("eagle3", "dflash") and plan.tokens == 6
-    static = {c: replay(accepted, COSTS, lambda i, c=c: c) for c in CHOICES}
+    static = {c: replay(accepted, COSTS, lambda i, c=c: c) for c in CHOICES if c == "none" or c in accepted}
     assert {c: p.seconds for c, p in static.items()} == {"none": 6.0, "eagle3": 7.5, "dflash": 7.5}
     assert static["dflash"].choices == ("dflash", "dflash", "dflash")
 
@@ -45,8 +45,9 @@ def _brute_force(accepted: dict[str, list[int]], costs: dict[str, float]) -> flo
 def test_dp_equals_brute_force_and_beats_every_static_mode(seed):
     rng = random.Random(seed)
     n = rng.randint(1, 7)
-    accepted = {d: [rng.randint(0, n - 1 - i) for i in range(n)] for d in ("eagle3", "dflash")}
-    costs = {"none": 1.0, "eagle3": rng.uniform(1.0, 3.0), "dflash": rng.uniform(1.0, 4.0)}
+    accepted = {d: [rng.randint(0, n - 1 - i) for i in range(n)] for d in ("eagle3", "dflash", "suffix")}
+    costs = {"none": 1.0, "eagle3": rng.uniform(1.0, 3.0), "dflash": rng.uniform(1.0, 4.0),
+             "suffix": rng.uniform(1.0, 1.5)}
     plan = solve(accepted, costs)
     assert plan.seconds == pytest.approx(_brute_force(accepted, costs))
     assert replay(accepted, costs, _follow(plan.choices)).seconds == pytest.approx(plan.seconds)
@@ -76,11 +77,11 @@ def test_round_costs_are_mean_round_seconds_of_each_static_mode():
     def run(mode, rounds, seconds):
         return {"mode": mode, "stats": {"rounds": rounds, "phase_seconds": {"verify": seconds * 0.75,
                                                                            "draft": seconds * 0.25}}}
-    records = [run("ar", 4, 2.0), run("ar", 6, 3.0), run("eagle3", 2, 3.0), run("dflash", 1, 4.0),
-               {"mode": "dflash", "error": "boom"}]
-    assert round_costs(records) == pytest.approx({"none": 0.5, "eagle3": 1.5, "dflash": 4.0})
+    records = [run("ar", 4, 2.0), run("ar", 6, 3.0), run("eagle3", 2, 3.0), run("suffix", 5, 3.0),
+               run("dflash", 1, 4.0), {"mode": "dflash", "error": "boom"}]
+    assert round_costs(records) == pytest.approx({"none": 0.5, "eagle3": 1.5, "dflash": 4.0, "suffix": 0.6})
     with pytest.raises(ValueError, match="needs measured dflash rounds"):
-        round_costs(records[:3])
+        round_costs(records[:4])
 
 
 def test_num_accepted_follows_the_matching_branch_of_a_tree():

@@ -9,7 +9,8 @@ from pathlib import Path
 from whiflash_trt.bench.harness import BenchOptions, run_benchmark
 from whiflash_trt.bench.modes import BASE_MODES
 from whiflash_trt.bench.prompts import CATEGORIES, COPY_CATEGORIES, MIX_CATEGORIES
-from whiflash_trt.config import CATCH_UP, DFLASH, EAGLE3, DFlashTreeConfig, SpecConfig, TreeConfig
+from whiflash_trt.config import (CATCH_UP, DFLASH, EAGLE3, SUFFIX, DFlashTreeConfig, SpecConfig, SuffixTreeConfig,
+                                 TreeConfig)
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.runtime.device import default_threads
@@ -71,6 +72,13 @@ def parser() -> argparse.ArgumentParser:
                                                          "chain (default: no limit)")
     p.add_argument("--dflash-tree-min-prob", type=float, default=DFlashTreeConfig.min_prob,
                    help="DFlash tree: prefixes less probable than this are not verified")
+    p.add_argument("--suffix-tree-total-tokens", type=int, help="suffix tree: nodes verified per round at most, root "
+                   f"included (default: {DEFAULT_NODES_HELP[SUFFIX]})")
+    p.add_argument("--suffix-tree-min-prob", type=float, default=SuffixTreeConfig.min_prob,
+                   help="suffix tree: continuations seen less often than this share of the match's occurrences are "
+                        "not verified")
+    p.add_argument("--suffix-tree-factor", type=float, default=SuffixTreeConfig.factor,
+                   help="suffix tree: depth at most this times the match's length")
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="torch threads (headline runs: 2; on a machine shared with other jobs fewer threads than "
@@ -93,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             spec=SpecConfig(catch_up=args.catch_up, tree=TreeConfig(args.tree_top_k, args.tree_depth,
                                                                     args.tree_total_tokens, args.tree_min_prob),
                             dflash_tree=DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k,
-                                                         args.dflash_tree_min_prob)),
+                                                         args.dflash_tree_min_prob),
+                            suffix_tree=SuffixTreeConfig(args.suffix_tree_total_tokens, args.suffix_tree_min_prob,
+                                                         args.suffix_tree_factor)),
             command_line=command)
         results = run_benchmark(opts)
     except (WhiflashError, ValueError) as e:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from whiflash_trt.bench.modes import BASE_MODES, BenchMode, base_mode, sweep_points
 from whiflash_trt.bench.prompts import BenchPrompt
-from whiflash_trt.config import AR, DFLASH, EAGLE3, WHIFLASH, GenerationConfig, SpecConfig
+from whiflash_trt.config import AR, DFLASH, EAGLE3, SUFFIX, WHIFLASH, GenerationConfig, SpecConfig
 from whiflash_trt.errors import WhiflashError
 
 WARMUP_TOKENS = 16
@@ -53,8 +53,9 @@ class BenchOptions:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if AR not in self.modes:
             raise ValueError("the modes must include ar: it is the baseline of speedups and of the lossless check")
-        if self.oracle and not {AR, EAGLE3, DFLASH} <= set(self.modes):
-            raise ValueError("--oracle needs the ar, eagle3 and dflash modes: their measured rounds are its costs")
+        if self.oracle and not {AR, EAGLE3, DFLASH, SUFFIX} <= set(self.modes):
+            raise ValueError("--oracle needs the ar, eagle3, dflash and suffix modes: their measured rounds are its "
+                             "costs")
         if len(set(self.modes)) != len(self.modes):
             raise ValueError(f"modes repeat: {', '.join(self.modes)}")
 
@@ -173,7 +174,9 @@ def run_benchmark(opts: BenchOptions) -> dict:
                     "by_category": _prompt_index(prompts, ids)},
         "modes": {m.name: {"base": m.base, **asdict(m.spec)} for m in modes},
         "generation": {"greedy": True, "max_new_tokens": opts.max_new_tokens, "warmup_prompts": opts.warmup},
-        "trees": engine.resolved_tree_shapes(engine.tree_shapes(opts.spec)),   # the nodes this machine verifies
+        "trees": {**engine.resolved_tree_shapes(engine.tree_shapes(opts.spec)),   # the nodes this machine verifies
+                  SUFFIX: {**asdict(opts.spec.suffix_tree),
+                           "total_tokens": engine.proposers[SUFFIX].for_spec(opts.spec).max_tree_tokens()}},
         "summary": summary,
         "roofline": limit,
         "lossless": lossless,

@@ -18,12 +18,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from whiflash_trt.config import AR, DFLASH, EAGLE3, WHIFLASH, SpecConfig
+from whiflash_trt.config import AR, DFLASH, EAGLE3, SUFFIX, WHIFLASH, SpecConfig
 from whiflash_trt.runtime.replay import accepted_at, capture_output
 from whiflash_trt.spec.router import NO_DRAFT       # a target-only round, as in the engine's round trace
 
-CHOICES = (NO_DRAFT, EAGLE3, DFLASH)                # ties go to the earlier (cheaper to run) choice
-STATIC = {NO_DRAFT: AR, EAGLE3: EAGLE3, DFLASH: DFLASH}   # choice -> the bench mode that always makes it
+CHOICES = (NO_DRAFT, SUFFIX, EAGLE3, DFLASH)        # ties go to the earlier (cheaper to run) choice
+STATIC = {NO_DRAFT: AR, SUFFIX: SUFFIX, EAGLE3: EAGLE3, DFLASH: DFLASH}   # choice -> the bench mode that always makes it
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from whiflash_trt.config import DFLASH, EAGLE3
+from whiflash_trt.config import DFLASH, EAGLE3, SUFFIX
 from whiflash_trt.runtime.stats import PHASES
 
 RESULTS_JSON = "results.json"
@@ -72,6 +72,9 @@ def _trees(trees: dict[str, dict]) -> str:
         t = trees[DFLASH]
         parts.append(f"DFlash DDTree of {t['total_tokens']} nodes" + (f", top-k {t['top_k']}" if t["top_k"] else "")
                      + (f", floor {t['min_prob']}" if t["min_prob"] else ""))
+    if SUFFIX in trees:
+        t = trees[SUFFIX]
+        parts.append(f"suffix tree of {t['total_tokens']} nodes, floor {t['min_prob']}, depth {t['factor']}x the match")
     return "; ".join(parts)
 
 
@@ -197,7 +200,7 @@ def _oracle(r: dict) -> str:
                      _f(c["gain_over_best_replayed"], "{:.3f}x"), _f(c.get("drafters_only_gain"), "{:.3f}x"),
                      _f(c["tau"]),
                      ", ".join(f"{d} {_pct(s)}" for d, s in c["round_share"].items())])
-    return ("## Oracle headroom\n\nThe best per-round choice among no draft, EAGLE-3 and DFlash, by dynamic "
+    return ("## Oracle headroom\n\nThe best per-round choice among no draft, suffix, EAGLE-3 and DFlash, by dynamic "
             "programming over each drafter's accepted length at every position of the ar output and the mean "
             f"measured round time of each static mode ({costs}). Oracle tok/s adds ar's prefill; the replayed "
             "columns walk the static modes through the same accepted lengths and costs (like for like); gain: "
