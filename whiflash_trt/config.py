@@ -212,37 +212,10 @@ CATCH_UP = ("lazy", "eager")
 class TreeConfig:
     """Shape of EAGLE-3's dynamic draft tree. total_tokens None: the default of the CPU's GEMM loop
     (runtime.tree_defaults: 8 on AMX tiles, else 6)."""
-    # Measured on the compiled CPU engine, where a verify's GEMMs are compute-bound past a few rows (a 16-node verify
-    # costs ~2.4x a decode step): 6 nodes beat 16 and 8 in every benchmark category (whiflash-bench
-    # --tree-total-tokens 4/6/8/16, 2 prompts per category), and top-k 3 beat 4 (3 prompts per category). Depth,
-    # speed-up over `ar` with scripts/compare_tree_shapes.py (--eagle3 3,3,6 3,2,6 --num-prompts 5 --threads 2: 20
-    # held-out prompts, 96 tokens, interleaved in one process; AMD EPYC Zen 4): 2 draft steps 1.304 against 1.308
-    # for 3 on one day (on the bench's own prompts 1.328 and 1.335 against 1.349 and 1.320), then 1.474 against
-    # 1.367, 1.339 against 1.343 and 1.391 against 1.354 on a later one (`ar` 17.5, 14.9 and 10.9 ms per round: the
-    # shared machine's speed changed from run to run).
-    # A third step adds tau (2.147 against 2.028) that its own cost takes back, so the cheaper round is the default.
-    # On an Intel Xeon with AMX, whose GEMM loop makes a 16-row verify's linears cost a 1-row step's, the default
-    # still wins (--num-prompts 3, two runs): speed-up 1.459/1.463 for 3,2,6; 3,2,4 1.469, 3,2,8 1.430, 4,2,8 1.452,
-    # 4,2,10 1.408, 3,3,8 1.430, 4,3,12 1.392, 4,4,16 1.304: each verified row still adds ~0.3 ms of attention and
-    # bookkeeping, and a draft step ~0.6 ms. With the AMX attention as well (2026-12-03, same CPU, --num-prompts 5):
-    # 3,2,5 1.561 against 1.533 for 3,2,6 (3,2,4 1.515), and 1.607 against 1.589 on prompts 15-19 (--skip 15): a 6th
-    # node is a second tile of query vectors in every layer's attention (SmolLM2: 3 per row, 16 a tile).
-    # A probability floor (min_prob, 2026-12-04, same CPU): each verified row costs ~0.2-0.28 ms (2-3% of a step),
-    # worth it only for a node likely to be accepted, so nodes whose path probability under the drafter is below the
-    # floor can be left unverified; the tree then verifies up to total_tokens where the drafter is sure and fewer
-    # where it is not, and a third draft step pays. Speed-up over `ar` (scripts/compare_tree_shapes.py --eagle3
-    # K,D,N@P ... --num-prompts 5 --threads 2, 20 held-out prompts, one process each line; all but the last line by
-    # an ad hoc copy of it that pruned the same nodes before the script took @P): prompts 15-19 of each
-    # set, 3,2,6 1.562, at 0.02/0.05/0.1 1.588/1.594/1.590; 3,2,6 1.590, at 0.05 1.611, 3,3,8 at 0.05 1.634, 3,3,10
-    # at 0.05 1.636, 4,3,12 at 0.05 1.637; 3,2,6 1.564, 3,3,10 at 0.03 1.612 and at 0.08 1.607, 4,4,16 at 0.05 1.592;
-    # prompts 10-14, 3,2,6 1.516, 3,3,10 at 0.05 1.558, 3,3,8 at 0.05 1.554, 4,3,10 at 0.05 1.555; the benchmark's
-    # own prompts (--skip 0, a check, not a choice): 3,2,6 1.495, 3,3,10 at 0.05 1.529, 3,3,8 at 0.05 1.559. The
-    # default: 3,3,8 at 0.05, as good as 10 nodes on held-out prompts and never verifying more than 8 rows. Where
-    # the GEMM takes 6 rows per pass (no AMX) 6 nodes beat 8 (runtime.tree_defaults), so the node count is the
-    # machine's. The router's labels are each drafter's accepted drafts with the default trees, so it was refit for them
-    # (MODEL_CARD.md, Router); a first refit routed worse, with costs calibrated on one code prompt that put
-    # EAGLE-3's adaptive round at 1.11x DFlash's where the bench measured 1.06x (runtime.round_costs now calibrates
-    # on a code and a prose prompt: 1.08x).
+    # Each verified row costs 2-3% of a decode step, worth it only for a node likely to be accepted: nodes below the
+    # probability floor go unverified, so the tree verifies up to total_tokens where the drafter is sure and fewer where
+    # it is not, and a third draft step pays. The router's labels come from these defaults: changing them means
+    # refitting it (MODEL_CARD.md, Router). Measurements: docs/measurements.md, "EAGLE-3's tree".
     top_k: int = 3            # children per expanded node (1 = a chain)
     depth: int = 3            # draft steps per round
     total_tokens: int | None = None   # nodes verified per round at most, root (bonus) included; None: see above
@@ -261,20 +234,8 @@ class DFlashTreeConfig:
     under the block's per-position distributions (spec.ddtree); top_k 1 is the block's chain of total_tokens - 1
     argmax drafts. total_tokens None: the default of the CPU's GEMM loop (runtime.tree_defaults: 5 on AMX tiles, else
     6), or fewer where the block (and top_k) cannot hold that many."""
-    # The default node count is measured on the compiled CPU engine (whiflash-bench --modes ar,dflash --num-prompts 3
-    # --max-new-tokens 64 --dflash-tree-total-tokens N, 2 threads): its GEMM takes up to 6 rows per pass over the
-    # weights, so a 6-node verify costs about a 5-node one and a 7-node one ~5 ms more (round 24.1 vs 29.1 ms).
-    # N = 4/5/6/7 ran at 0.94/0.97/0.92/0.84x `ar` over all categories, the block's 8-node chain at 0.77x (tau 1.63;
-    # the 6-node tree 1.82). With the drafter shipped on 2026-12-01, on held-out prompts
-    # (scripts/compare_tree_shapes.py --dflash 6 5 4 --num-prompts 5 --threads 2, AMD EPYC Zen 4, three runs): 5
-    # nodes 1.416x, 1.323x and 1.363x `ar`, 6 nodes 1.345x, 1.282x and 1.368x (4 nodes: 1.384x in the first).
-    # On an Intel Xeon with AMX (same script, --num-prompts 3, two runs): 5 nodes 1.409x and 1.419x, 6 1.411x, 8
-    # 1.396x and 1.406x, 12 1.335x, 16 1.278x. With the AMX attention (2026-12-03, same CPU): 5 nodes 1.532x, 6
-    # 1.520x, 8 1.523x (--num-prompts 3); 5 nodes 1.497x, 4 1.466x (--num-prompts 5). A probability floor (min_prob)
-    # does not pay here (2026-12-04, same CPU, compare_tree_shapes.py --dflash N@P as above, 20 prompts): prompts
-    # 15-19, 5 nodes 1.491x, at 0.02/0.05/0.1 1.488x/1.494x/1.485x; again 1.488x, 8 at 0.05 1.499x, 10 at 0.08
-    # 1.516x; prompts 10-14, 5 nodes 1.476x, 8 at 0.08 1.448x, 10 at 0.08 1.435x, 10 at 0.05 1.476x. On an AMD
-    # EPYC (dot loop) on 2026-12-04 6 nodes beat 5 (runtime.tree_defaults).
+    # No probability floor by default: on DFlash's trees it measured no gain. Measurements: docs/measurements.md,
+    # "DFlash's tree".
     total_tokens: int | None = None   # nodes verified per round at most, root (bonus) included; None: see above
     top_k: int | None = None          # children per node at most (1 = a chain); None = no limit
     min_prob: float = 0.0             # prefixes less probable than this (product of the marginals) are not verified

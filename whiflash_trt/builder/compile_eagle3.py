@@ -3,9 +3,9 @@ log-softmax) exported with torch.export and compiled ahead of time by AOTInducto
 (builder/compile_target.py, whose inductor settings it shares). One graph serves every depth of every tree: rows,
 keys per row and pool slots are dynamic. fc, the KV-only prefill and the id map stay the torch module.
 
-Measured on this project's 2-core Xeon (SmolLM2's drafter, 3 rows over ~300 keys, 2 threads): 0.70 ms per depth
-eager, 0.44 ms compiled; a default round drafts 4 depths. The compiled output hidden state equalled eager's in that
-run and the log-probabilities differed by 1e-6 (inductor's own reduction order): drafts, not output bits.
+Compiled, a draft depth costs well under eager's (docs/measurements.md, "Builder"); a round drafts TreeConfig.depth.
+The compiled log-probabilities may differ from eager's in the last digits (inductor's own reduction order): that can
+change drafts, never output bits.
 """
 from __future__ import annotations
 

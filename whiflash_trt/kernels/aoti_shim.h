@@ -6,10 +6,8 @@
 // int as int64_t, float as double, bool as int32_t, and each returned tensor through an AtenTensorHandle* the shim
 // fills. The library is loaded with global symbols (kernels.load) so that a package finds them.
 //
-// Measured on an Intel Xeon with AMX (family 6 model 167, 2 threads; SmolLM2's target step on a 300-token context,
-// the same step packaged with the shims and through the proxy executor, alternated in one process, 30 x 10 steps
-// each, medians of the paired ratios; two runs): shim / proxy 0.977 and 0.982 at 1 row, 0.985 and 0.979 at 6, 0.987
-// and 0.990 at 16.
+// Through the shims a compiled step skips the proxy executor's per-call work: a slightly faster target step
+// (docs/measurements.md, "Kernels").
 #pragma once
 
 #include <ATen/ATen.h>

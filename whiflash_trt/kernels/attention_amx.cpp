@@ -21,15 +21,10 @@
 // TDPBF16PS adds its pairs otherwise than a chain of VDPBF16PS (on a Xeon with AMX, 65% of the elements of random
 // 16 x 16 x 32 products differed in the last bits), so one process takes one path for every call.
 //
-// Measured on that Xeon (family 6 model 167, 2 threads; 30 layers of 300 keys, 9/3 heads of 64; the two paths
-// alternated in one process, a 160 MB read between calls; first quartile of 40), us per layer, AVX-512 -> AMX: a
-// decode row 33.7 -> 36.4 (1.08x), a 6-node tree 65.2 -> 53.1 (0.81x), a 16-node tree 128.2 -> 87.3, a 16-token
-// chain 128.8 -> 82.4; a 1000-token prefill 0.52x. In the engine (20 held-out prompts, 96 tokens, alternated per
-// prompt): an EAGLE-3 round 1.325x -> 1.295x an `ar` step, a DFlash round 1.267x -> 1.249x, `ar` 0.995x as fast.
-// Tasks of four column tiles sharing the keys and value pairs measured slower (1.22x and 0.91x of AVX-512 above).
-// A chunk's two score halves in tiles of their own (their loads and products overlap), the queries transposed in
-// vectors and p zeroed only outside each column's run: a 16-row chain over 300 keys (1 thread, K/V warm, 3
-// processes of each alternated) 90.5-96.5 -> 84.9-86.2 us per layer.
+// Against the AVX-512 path, AMX tiles are faster from a few rows up (a tree, a chain, a prefill) and a little slower
+// on a decode row; tasks of four column tiles sharing the keys and value pairs are slower than the tasks here. A
+// chunk's two score halves go in tiles of their own (their loads and products overlap), the queries are transposed in
+// vectors and p is zeroed only outside each column's run. Timings: docs/measurements.md, "Kernels".
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

@@ -1,7 +1,7 @@
 // whiflash::kv_prefill: the KV-only prefill of plugins/kv_prefill.py (its contract, step for step) over the engine's
 // packed weights, writing each backlog position's keys and values straight into the drafter's pools. Every round
-// that drafts runs it on the tokens the last round accepted; as torch ops (the contract's reference) it took ~0.45 ms
-// for 5 tokens of SmolLM2's DFlash, mostly the dispatch of its ~30 small elementwise ops (AMD EPYC, 2 threads).
+// that drafts runs it on the tokens the last round accepted; as torch ops (the contract's reference) it costs ~0.45 ms
+// for 5 tokens of SmolLM2's DFlash (AMD EPYC, 2 threads), mostly the dispatch of its ~30 small elementwise ops.
 //
 //   h = rms(feats @ fc^T) * hidden_norm;  x = [rms(embeds) * input_norm ; h]  (EAGLE-3)  or  h  (DFlash)
 //   [k | v] = x @ kv^T  (kv: every layer's k_proj, then every layer's v_proj, one packed weight)

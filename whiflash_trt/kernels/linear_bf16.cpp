@@ -4,24 +4,21 @@
 // whiflash::linear_i8: the few-row GEMM over such an int8 weight (a drafter's LM head; i8_rows below).
 //
 // Why a kernel of our own: decode and verify stream every weight once per step, and oneDNN's bf16 GEMM streams them
-// well below the machine's read bandwidth, the more so the more rows (measured on this project's Xeon, 2 threads:
-// SmolLM2's linears took 16.3 ms at 1 row and 43 ms at 16 rows with oneDNN, about 13 and 30 ms here). This one reads
-// each weight once per call for up to 6 rows, and from cache for more.
+// well below the machine's read bandwidth, the more so the more rows. This one reads each weight once per call for up
+// to 6 rows, and from cache for more. The timings behind this file's choices: docs/measurements.md, "Kernels".
 //
 // Three inner loops (whiflash::set_gemm_variant; kernels/ops.py picks the fastest one the process's ISA has, once
 // per process):
 // - FMA (0), every build, written over simd.h's Vec: each bf16 pair widened to fp32 (exact), x[m, 2k] * W[n, 2k] and
-//   then x[m, 2k+1] * W[n, 2k+1] added with fp32 FMAs. The faster one where VDPBF16PS is slow (the Xeon above: 1.3
-//   G/s per core against 5.3 G/s of FMAs), the only one on AVX2.
+//   then x[m, 2k+1] * W[n, 2k+1] added with fp32 FMAs. The faster one where VDPBF16PS is slow (the Intel Xeon with
+//   AMX: 1.3 G/s per core against 5.3 G/s of FMAs), the only one on AVX2.
 // - DOT (1), AVX-512 BF16 builds: one VDPBF16PS per pair, x and W staying bf16: the pair's two products (exact in
 //   fp32) added to the lane as the hardware does it (Intel documents odd then even, round to nearest, denormals
-//   flushed). Twice the multiply-adds per instruction and no widening: on an AMD EPYC (Zen 4, 2 threads) SmolLM2's
-//   linears took 14.2 against 22.6 ms at 16 rows, 8.7 against 9.8 ms at 6, and as long at 1-4 rows (memory-bound).
+//   flushed). Twice the multiply-adds per instruction and no widening: on an AMD EPYC Zen 4 faster than FMA at 6 and
+//   16 rows, as fast at 1-4 rows (memory-bound).
 // - AMX (2), AVX-512 BF16 builds on CPUs with AMX-BF16: tiles of up to 16 rows, TDPBF16PS on the same packed weight
-//   (amx_block below).
-//   On an Intel Xeon with AMX (2 threads, SmolLM2's 121 linears plus its LM head, the loops alternated in one
-//   process): 9.4 against 19.8 ms (FMA) at 16 rows, 8.7-9.4 against 11.1-11.9 ms at 6, and 1.04x FMA's time at one
-//   row (memory-bound; the two-block walk below has no AMX counterpart: eight tiles hold one block's four sums).
+//   (amx_block below): faster than FMA at 6 and 16 rows, as fast at one row (memory-bound; the two-block walk below
+//   has no AMX counterpart: eight tiles hold one block's four sums).
 //
 // Row invariance by construction, in every loop: every output y[m, n] is one fp32 accumulator lane that adds the
 // pairs k = 0, 1, ... in order (AMX: in steps of 16 pairs, as its hardware adds them), then the bias, then rounds
@@ -33,16 +30,11 @@
 // bf16 pair W[n, 2k], W[n, 2k+1]: a block of 64 outputs streams as one contiguous run.
 //
 // A call of one row (decode, an EAGLE-3 draft step) walks two adjacent blocks side by side: two streams in flight per
-// thread keep more of the memory bandwidth busy than one. Only the order in which the two blocks' instructions issue
-// changes, no lane's sum. Measured on the AMD EPYC above (2 threads, SmolLM2's decode step on the engine, the two
-// walks alternated in one process, medians of 12, three runs): the step took 0.87-0.94x as long. Three or four
-// blocks at one row were no faster. The DOT loop walks two blocks up to 3 rows (a small verify; 24 accumulators):
-// SmolLM2's linears at 2 and 3 rows took 7.65 and 8.07 against 9.17 and 9.18 ms, and 7.27 and 7.72 against 8.79 and
-// 8.65 ms in a second run (same EPYC, the walks alternated in one process, medians of 15), where one block's walk
-// at 2-6 rows costs what 6 rows do; the engine's step at 2 and 3 rows (300 keys) 8.04 and 9.36 against 9.25 and
-// 9.75 ms (7.3 at 1 row), two requests decoding in one batch 1.039x the tokens/s. Not the FMA loop (9.22 and 9.63
-// against 9.18 and 9.16 ms: its 2 widened weights per pair leave too few registers), nor 4-6 rows as two passes
-// over half of each block's outputs (the second from cache; 11.5-11.8 against 8.4-8.5 ms).
+// thread keep more of the memory bandwidth busy than one (three or four blocks are no faster). Only the order in
+// which the two blocks' instructions issue changes, no lane's sum. The DOT loop walks two blocks up to 3 rows (a
+// small verify; 24 accumulators), where one block's walk at 2-6 rows costs what 6 rows do. Not the FMA loop (its 2
+// widened weights per pair leave too few registers), nor 4-6 rows as two passes over half of each block's outputs
+// (the second from cache: slower than one walk).
 //
 // On AVX2 (16 ymm) a block's 64 outputs are 8 vectors: a pass holds them all for one row, and for more rows walks the
 // block in 2 or 4 passes over a part of its outputs each (pass_vecs), every weight line still read once per call.
@@ -76,10 +68,8 @@ constexpr int kVecs = kBlock / kLanes;   // vectors of outputs per block: 4 zmm 
 constexpr int kTileRows = 6;        // rows of x per pass over a block
 constexpr int64_t kScaleRows = 4;   // an int8 block's 64 fp32 scales = 4 rows of 64 int8 (i8_rows)
 // Rows of x per walk of the bf16 loops over a block: 6 on AVX-512; 3 on AVX2, where a 4-6-row walk takes 4 passes
-// of a quarter block each (pass_vecs) and two 3-row walks of 2 passes were faster, the second walk reading the block
-// from L2 (AMD EPYC Zen 3, 1 thread, warm 3072 x 576 and 576 x 1536 weights, two processes of each alternated: 4
-// rows 232-301 against 336-368 us and 118-137 against 165-167 us, 6 rows 334-360 against 401-404 and 167 against
-// 198-214 us)
+// of a quarter block each (pass_vecs) and two 3-row walks of 2 passes are faster, the second walk reading the block
+// from L2 (AMD EPYC Zen 3)
 constexpr int kWalkRows = kLanes == 16 ? kTileRows : 3;
 
 // Vectors of one block's outputs a pass of `rows` rows accumulates (a divisor of kVecs): as many as the registers
@@ -362,8 +352,8 @@ constexpr AmxBlockFn kAmxBlocks[2][4] = {{amx_block<1, false>, amx_block<2, fals
 
 
 // Waits until `count` reaches `target`: spinning, then (more threads than cores: the ones it waits for may need this
-// core) yielding the core between looks. Spinning alone, 4 torch threads on 2 cores took 247-249 ms for 30 SmolLM2
-// layers' linears at 16 rows, against 20-21 ms with the yield (and 8.2-8.4 ms at 2 threads either way).
+// core) yielding the core between looks: spinning alone, 4 torch threads on 2 cores spend most of a 16-row GEMM
+// waiting; at one thread per core the yield costs nothing.
 void wait_for(const std::atomic<int64_t>& count, int64_t target) {
   constexpr int kSpins = 4096;   // pauses: tens to hundreds of microseconds, by CPU
   for (int spins = 0; count.load(std::memory_order_acquire) < target; ++spins) {
@@ -376,13 +366,11 @@ void wait_for(const std::atomic<int64_t>& count, int64_t target) {
 // blocks: 9 blocks (576 outputs) give each of 2 threads 4.5 blocks, not 5 and 4 (SwiGLU: whole blocks, its gate
 // and up outputs together). Each thread walks its part of each block for every tile of rows (it configures its
 // tiles per tile height and releases them at the end); which thread computes an output changes none of its bits.
-// With a norm, each thread normalises the rows in proportion to its outputs and writes their h (the next call's
-// threads then each read about half of h from the other core's cache, not one of them all of it); from
-// kSharedNormRows rows into one buffer, each thread waiting until the others have written theirs, below that every
-// thread all the rows into a buffer of its own (no wait for a decode row). A 16-row verify step of SmolLM2's engine
-// (2 threads, 3 processes of each alternated, medians of 15 x 10 steps), against every thread normalising all rows:
-// 1.247-1.262x a decode step -> 1.220-1.253x. The buffers start cache lines (aligned64): at the heap's 16-byte
-// alignment (and with amx_block's older loop) the same step was 1.296-1.327x, 1.23-1.31x with the shared buffer.
+// With a norm, each thread normalises the rows in proportion to its outputs and writes their h, a cheaper 16-row
+// verify step than every thread normalising all rows (the next call's threads then each read about half of h from
+// the other core's cache, not one of them all of it); from kSharedNormRows rows into one buffer, each thread waiting
+// until the others have written theirs, below that every thread all the rows into a buffer of its own (no wait for a
+// decode row). The buffers start cache lines (aligned64): rows split across lines load into tiles more slowly.
 void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, const float* bias, uint16_t* y,
                 int64_t out_features, const Fused& f) {
   constexpr int64_t kTilesPerBlock = kBlock / 16;
@@ -441,12 +429,12 @@ void amx_linear(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, c
 // holds Q[., k] of its 64 outputs, its last four rows their 64 fp32 scales. Half the bytes of the bf16 weight: for
 // a drafter's LM head, which every draft step streams whole (SmolLM2's 8192-token draft vocabulary: 9.4 MB bf16).
 // Each output is one fp32 lane that adds x[m, k] * Q[n, k] for k = 0, 1, ... in order, then is scaled by s[n] and
-// rounded once to bf16: row-invariant as the loops above. The head of 8192 x 576 (Intel Xeon with AMX, 2 threads,
-// warm, medians of 200 calls): 189 -> 86 us at 1 row, 192 -> 129 at 3, 191 -> 152 at 4 against the bf16 weight
-// (from 3 rows on the widening and the FMAs, not the memory, set the pace). linear_i8 runs this loop on every CPU, at
-// every row count: on AMX tiles (amx_block's Int8) the same head took 123-125 us at 1 row and 125-129 at 4 (warm),
-// and in DFlash's rounds (4 rows) 0.42-0.44 ms against 0.37-0.38 here. linear_norm_bf16 over such a weight (a drafter's
-// layers, at 8 rows a block) takes the process's loop: on AMX 48 against 114 us here for 3072 x 576 at 8 rows.
+// rounded once to bf16: row-invariant as the loops above. Faster than the bf16 weight at a head's 1-4 rows, the
+// more so the fewer (from 3 rows on the widening and the FMAs, not the memory, set the pace). linear_i8 runs this
+// loop on every CPU, at every row count: at one row and in DFlash's 4-row rounds it beats AMX tiles (amx_block's
+// Int8).
+// linear_norm_bf16 over such a weight (a drafter's layers, at 8 rows a block) takes the process's loop, where AMX
+// tiles are the faster.
 constexpr int64_t kI8Ahead = 4096;     // software prefetch distance in bytes: 64 steps of k
 
 template <int Rows, int Vecs>

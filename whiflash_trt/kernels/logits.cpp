@@ -1,13 +1,13 @@
 // Reductions over a vocabulary of logits that every round runs, where torch's reductions cost ~0.1 ms each at a 49k
-// vocabulary (measured on the AMD EPYC, 2 threads):
-// - whiflash::argmax_rows: each row's greedy choice for verification (6 rows: ~0.13 ms in torch);
+// vocabulary (timings: docs/measurements.md, "Kernels"):
+// - whiflash::argmax_rows: each row's greedy choice for verification;
 // - whiflash::entropy_margin: the route signal of a bonus position, the entropy (nats) of softmax(logits) and the
 //   top-1 minus top-2 probability, in two passes (the top two values; then the sums of e = exp(z - top) and
-//   e * (z - top)): H = log S - sum e (z - top) / S with S = sum e (~0.02 ms here, torch's eight ops ~0.12 ms);
+//   e * (z - top)): H = log S - sum e (z - top) / S with S = sum e (one call where torch takes eight ops);
 //   each thread over its part of the vocabulary, the parts merged;
 // - whiflash::topk_rows: each row's k largest values (optionally as log-softmax values) and their indices, for the
-//   drafters' trees: EAGLE-3's children and DDTree's ranks per depth (aten's topk took ~24 us over 3 x 8192
-//   log-probs, and DDTree's log_softmax + topk over 5 x 8192 logits ~90 us).
+//   drafters' trees: EAGLE-3's children and DDTree's ranks per depth (in place of aten's topk, and of DDTree's
+//   log_softmax + topk).
 // argmax_rows and entropy_margin split the vocabulary between the threads as the LM head's GEMM splits its outputs,
 // so that each thread reads logits its own core wrote (see argmax_rows).
 #include <ATen/ATen.h>
@@ -204,9 +204,8 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& logits, int64_t k
 }
 
 // The threads split the vocabulary as the LM head's GEMM splits its outputs (at::parallel_for over 16-column tiles,
-// grain 1), so each reads the logits its own core wrote. In DFlash's rounds (5 x 49152 bf16 logits, Intel Xeon with
-// AMX, 2 threads) the first call took 106 us on one thread and 88-93 us split, a second call at once 24 and 15 us:
-// most of a round's cost is the logits' cold lines, whichever core reads them.
+// grain 1), so each reads the logits its own core wrote. Still, most of a round's call is the logits' cold lines,
+// whichever core reads them (a second call at once is several times faster; docs/measurements.md, "Kernels").
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1 && logits.size(1) < (int64_t(1) << 31) &&
                   (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),

@@ -272,13 +272,10 @@ def pack_gate_up(gate_up: torch.Tensor, int8: bool = False) -> torch.Tensor:
 
 def int8_layers_pay() -> bool:
     """A drafter's layers run over int8 weights (pack_int8) here, half the bytes of bf16 per round: the process's GEMM
-    loop is AMX. Measured in rounds on an Intel Xeon with AMX (2 threads): DFlash's block of 8 rows, through the AMX
-    loop (which widens int8 into its bf16 tiles, linear_bf16.cpp amx_block), 0.82-0.88 against 0.98-1.03 ms per
-    forward; EAGLE-3's draft steps of 1 and 3 rows, through the int8 loop for few rows (i8_rows), 2.32-2.53 against
-    2.60-2.92 ms per round's drafting; EAGLE-3's KV-only prefill (catch-up) 352-353 against 383-394 us per call.
-    Elsewhere bf16: on an AMD EPYC (Zen 4, dot loop, 2 threads; engines of both kinds alternated per prompt in one
-    process, 20 held-out prompts, 96 new tokens) int8 layers drafted EAGLE-3 in 1.90 against 1.91 ms per round and
-    DFlash in 1.56 against 1.35 ms (speed-up over `ar` 1.351x against 1.361x and 1.300x against 1.351x)."""
+    loop is AMX. There DFlash's block (through the AMX loop, which widens int8 into its bf16 tiles, linear_bf16.cpp
+    amx_block), EAGLE-3's draft steps (through the int8 loop for few rows, i8_rows) and EAGLE-3's KV-only prefill all
+    run faster in int8; on the dot loop DFlash's drafting runs slower, so elsewhere the layers stay bf16. Timings:
+    docs/measurements.md, "Kernels"."""
     return registered() and gemm() == "amx"
 
 

@@ -19,15 +19,9 @@
 // their common max. A verify row, a tree node or a row of a batched call equals the same position fed alone, bit for
 // bit (tests/test_kernels.py).
 //
-// Why two runs: a decode row has as many tasks as KV heads (SmolLM2: 3), so two threads took 2 and 1; one run per
-// thread of all KV heads balances them and reads each slot's K and V whole. Measured in an ad hoc harness (AMD EPYC
-// Zen 4, 2 threads, bf16, 282 keys, 30 layers after a 300 MB read, medians of 12, against one run per row): a 1-row
-// call 31.7 -> 28.7 us, a 6-row one 78.5 -> 68.4 us, together with the packed weights below (3% of that).
-//
-// Earlier, in the compiled SmolLM2 engine (same EPYC, 300 keys, torch profiler per layer): a 6-node tree 81 -> 57-69
-// us and a decode row 33 -> 28 us against a per-key _mm512_reduce_add_ps and no prefetch. The paired values then
-// took the op (30 layers, 300 keys, alternating processes, best of 15 x 10 steps, same EPYC) from 0.60-0.74 to
-// 0.38-0.54 ms at 1 row, 2.23-2.39 to 1.39-1.86 ms at 6 and 3.75-4.10 to 2.70-3.05 ms at 16.
+// Why two runs: a decode row has as many tasks as KV heads (SmolLM2: 3), so two threads would take 2 and 1; one run
+// per thread of all KV heads balances them and reads each slot's K and V whole. Timings: docs/measurements.md,
+// "Kernels".
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

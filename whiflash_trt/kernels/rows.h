@@ -1,10 +1,6 @@
 // The elementwise work that linear_norm_bf16 (linear_bf16.cpp) folds into its GEMM, so a layer's norms, residual
-// adds and SwiGLU run inside the GEMMs' parallel regions instead of as serial kernels between them. On an Intel Xeon
-// with AMX (perf, 1 thread, SmolLM2 on a 300-token context) the compiled step's elementwise kernels took ~0.13 ms of
-// a decode step and ~1.5 ms of a 16-row verify, the other thread waiting through them when there are two. With
-// them folded in, and the AMX GEMM's outputs split by 16-column tiles in the same change (2 threads, 6 processes of
-// each alternated, medians): decode 12.37 -> 12.04 ms, a 16-row verify 16.41 -> 16.01 ms, a 6-row one 13.70 ->
-// 13.68 ms.
+// adds and SwiGLU run inside the GEMMs' parallel regions instead of as serial kernels between them, which the other
+// thread would wait through (~1.5 ms of a 16-row verify on an Intel Xeon with AMX; docs/measurements.md, "Kernels").
 //
 // Each rounds as the torch modules it replaces (models/layers.py) do in bf16: the residual sum h = x + delta once to
 // bf16; RMSNorm as n = bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), its sum of squares in kLanes fp32 lanes then

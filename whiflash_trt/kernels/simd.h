@@ -332,8 +332,7 @@ struct Index {
 };
 
 // n elements of `buffer` from a 64-byte boundary, so that a tile's rows start cache lines (a heap block is only
-// 16-byte aligned, and AMX tile loads of rows split across lines are slower: a 16-row verify step of SmolLM2 took
-// 1.23-1.31x a decode step from process to process, 1.22-1.26x with its GEMM's buffer aligned; linear_bf16.cpp)
+// 16-byte aligned, and AMX tile loads of rows split across lines are slower; docs/measurements.md, "Kernels")
 template <typename T>
 inline T* aligned64(std::vector<T>& buffer, size_t n) {
   buffer.resize(n + 64 / sizeof(T));

@@ -91,8 +91,7 @@ class Eagle3Drafter(nn.Module, Eagle3):
         fused, its linears, fc and the draft head FrozenLinears, its attention on the engine's kernel where loaded.
         `int8` (default: kernels.int8_layers_pay): on the kernels, the midlayer's weights quantised per output row, in
         the int8 loop for few rows (a draft step's 1-3 rows; its SwiGLU after the GEMM), and so are fc (the root's
-        1 row: 128-137 -> 95-104 us in rounds, 2 runs alternated, Intel Xeon with AMX) and the KV-only prefill's fc
-        and k/v (its catch-up 383-394 -> 352-353 us, 3 runs alternated)."""
+        1 row) and the KV-only prefill's fc and k/v, both faster in int8 (docs/measurements.md, "Models")."""
         int8 = kernels.int8_layers_pay() if int8 is None else int8
         self.midlayer.self_attn.fuse(int8=int8, many_rows=False)
         self.midlayer.mlp.fuse(int8=int8, many_rows=False)

@@ -212,10 +212,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Traced for a compiled step (DFlash's block; the target's and EAGLE-3's attention kernel rotates q and k itself,
     kernels.paged_attention), the same products and sums per half, so inductor writes each half of the output
-    straight from x; the rotated copy of x the eager form concatenates cost the step's fused kernel two more passes
-    (measured on the Xeon with AMX, 2 threads, 30 SmolLM2 layers' q and k: 381 -> 228 us at 16 rows, 183 -> 147 us
-    at one, bit-identical; the whole compiled target step, both packages alternated in one process: 0.987-0.996x
-    at 16 rows, 0.982-1.001x at one). Eager, the form of fewer ops."""
+    straight from x; the rotated copy of x the eager form concatenates costs the step's fused kernel two more passes
+    (same bits; timings: docs/measurements.md, "Models"). Eager, the form of fewer ops."""
     half = x.shape[-1] // 2
     if torch.compiler.is_compiling():
         x1, x2 = x[..., :half], x[..., half:]

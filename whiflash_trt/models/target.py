@@ -84,8 +84,8 @@ class Attention(nn.Module):
                keys: KeyLayout | RowKeys) -> torch.Tensor:
         """The projections' outputs q, k, v [*lead, ...] -> heads, then the attention, which rotates q and k ->
         [*lead, heads * D]. The kernel (RowKeys) rotates them itself, as apply_rope does, bit for bit: a compiled
-        step then makes no pass over them between the QKV GEMM and the attention (on the Intel Xeon with AMX that
-        pass was a serial kernel of ~9 us per layer at 16 rows, the other thread waiting through it)."""
+        step then makes no pass over them between the QKV GEMM and the attention (such a pass is a serial kernel,
+        ~9 us per layer at 16 rows on the Intel Xeon with AMX, the other thread waiting through it)."""
         return keys.attend(*self.heads(lead, q, k, v), k_cache, v_cache, layer, write_slots, self.scale, cos, sin)
 
     def forward(self, x, cos, sin, k_cache, v_cache, layer: int, write_slots, keys: KeyLayout | RowKeys):

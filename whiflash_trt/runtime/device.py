@@ -32,7 +32,8 @@ def check_device(name: str) -> torch.device:
 
 def default_threads() -> int:
     """Half the CPUs this process may use, at least one. torch's own default (every core) collapses as soon as
-    another job takes a core: its threads spin waiting for each other (measured in docs/threads.md)."""
+    another job takes a core: its threads spin waiting for each other (docs/benchmark.md, "Threads on a shared
+    machine")."""
     return max(1, len(os.sched_getaffinity(0)) // 2)
 
 

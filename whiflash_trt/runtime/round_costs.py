@@ -11,28 +11,18 @@ seconds).
 
 Round costs grow with the context and the tree, and not alike: DFlash's block attends to the whole context with all
 of its rows, EAGLE-3's tree is bigger where it is sure (its probability floor). Each prompt therefore brings a
-context of the benchmark's size (~150-200 tokens) and catch-up is counted. Measured 2026-12-04 (Intel Xeon with
-AMX, family 6 model 167, 2 threads, reps 3, three calibrations of each kind alternated in one process), cost over a
-target-only round, EAGLE-3 / DFlash: with these prompts 1.270 / 1.208, 1.247 / 1.223, 1.273 / 1.186 (DFlash over
-EAGLE-3 0.951, 0.981, 0.932); with the short prompts used before (~45 tokens, catch-up left out) 1.285 / 1.167,
-1.192 / 1.111, 1.221 / 1.153 (0.908, 0.932, 0.944); the headline bench beside them measured 1.266 / 1.199 (0.947).
-The short calibration understated DFlash's round against EAGLE-3's and so sent DFlash rounds it did not win.
-
-Earlier (2026-12-01, AMD EPYC, 2 threads) a calibration at a 200-token context with catch-up, against a router
-whose threshold (1.3) had been fit to the short calibration's costs, skipped drafting in 81% of the bench's rounds;
-the shipped router's threshold (1.2 since its refit of 2026-12-04, night) is chosen in simulation under the costs
-it was fit with; its predictions do not depend on the costs.
+context of the benchmark's size (~150-200 tokens) and catch-up is counted: a shorter calibration understates
+DFlash's round against EAGLE-3's and so sends DFlash rounds it does not win. A router's threshold is chosen in
+simulation under the costs it was fit with; its predictions do not depend on the costs.
 
 The costs of an engine directory are kept (`cached_round_seconds`) in the user's cache, one small JSON file per
 engine (its manifest), backend, thread count, CPU model, GEMM loop, default tree shapes, prompts and whiflash-trt
 version, so that only the first load of an engine on a machine pays the calibration (later loads read them back);
 delete the folder to measure again. Engine.round_seconds can be set by a caller that measured better ones.
 
-The calibration only seeds the costs the router weighs: the engine keeps them current (LiveRoundSeconds), each round
-a request runs alone moving its choice's cost toward what that round took. The ratios move with the machine's speed:
-on a shared AMD EPYC the cached 2-thread calibrations (builds of a few days) read none 6.6 to 9.5 ms and EAGLE-3
-1.39x to 1.85x of it, and a router weighing the ratio of a fast hour skipped drafting where it paid (2026-12-04:
-calibration none 7.40 / EAGLE-3 11.91 / DFlash 11.24 ms, the rounds of the run beside it 9.35 / 12.75 / 11.99 ms).
+The calibration only seeds the costs the router weighs: their ratios move with a shared machine's speed, so the
+engine keeps them current (LiveRoundSeconds), each round a request runs alone moving its choice's cost toward what
+that round took. Measurements: docs/measurements.md, "Round costs".
 """
 from __future__ import annotations
 

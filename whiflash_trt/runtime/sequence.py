@@ -21,7 +21,7 @@ class Sequence:
         self.frontiers: dict[str, int] = {}
         # Captured target features of positions [features_start, N): the drafters' pending backlog, the first
         # N - features_start rows of a buffer with room to grow (a round appends its rows in place: a copy of the
-        # whole backlog per round grew with the rounds a drafter sat out: 17 us at 300 rows, 47 us at 1000)
+        # whole backlog per round would grow with the rounds a drafter sits out, 47 us at 1000 rows)
         self._features: torch.Tensor | None = None
         self.features_start = 0
         self.block_table: list[int] = []

@@ -219,10 +219,10 @@ class AcceptancePredictor(nn.Module):
 
 class FrozenPredictor:
     """An AcceptancePredictor's forward over plain Python floats, its weights copied once: a route runs it every
-    round, and torch's dispatch of its few small ops took ~140 us where this takes ~16 (AMD EPYC, a loaded machine).
-    Same arithmetic (standardise, fc1, exact GELU, fc2) in double precision, the standardisation folded into fc1
-    (w / std, b - w . mean / std) and the dot products as sum(map(mul, ...)): 16 -> 9 us a call (Intel Xeon with AMX,
-    warm; ~4x that in rounds, after the target's weights have streamed through the caches)."""
+    round, and torch's dispatch of its few small ops costs several times this whole forward. Same arithmetic
+    (standardise, fc1, exact GELU, fc2) in double precision, the standardisation folded into fc1
+    (w / std, b - w . mean / std) and the dot products as sum(map(mul, ...)), the fewest Python operations per call.
+    Timings: docs/measurements.md, "Router"."""
 
     def __init__(self, model: AcceptancePredictor) -> None:
         mean, std = model.mean.tolist(), model.std.tolist()
