@@ -189,6 +189,36 @@ def test_throughput_router_drafts_only_when_it_beats_target_only_rounds():
     assert _throughput_router({"eagle3": -5.0, "dflash": -5.0}, threshold=0.0).choose(RouteSignal(1.0, h)) != "none"
 
 
+def test_throughput_router_weighs_a_free_offer_at_a_target_only_round_plus_its_rows():
+    from whiflash_trt.spec.router import VERIFY_ROW, Offer, best_option
+
+    h = torch.zeros(4)
+    router = _throughput_router({"eagle3": 2.0, "dflash": 0.5})   # eagle3's rate 3 / 2.4 = 1.25
+    assert router.choose(RouteSignal(1.0, h), {"suffix": Offer(0.2, 6)}) == "eagle3"    # 1.2 / 1.0
+    assert router.choose(RouteSignal(1.0, h), {"suffix": Offer(0.3, 6)}) == "suffix"    # 1.3 / 1.0
+    # each verified row adds round_seconds[VERIFY_ROW]: 5 more rows at 0.1 make an offer of 0.5 1.5 / 1.5
+    costs = {"none": 1.0, "eagle3": 2.4, "dflash": 1.7, VERIFY_ROW: 0.1}
+    expected = {"eagle3": 2.0, "dflash": 0.5}
+    assert best_option(expected, costs, 1.0, {"suffix": Offer(0.5, 6)}) == "eagle3"
+    assert best_option(expected, costs, 1.0, {"suffix": Offer(0.5, 2)}) == "suffix"     # 1.5 / 1.1
+    assert best_option({"eagle3": 0.0, "dflash": 0.0}, costs, 1.2, {"suffix": Offer(0.1, 2)}) == "none"
+
+
+def test_entropy_and_v1_rules_take_the_best_offer_past_its_threshold():
+    from whiflash_trt.spec.router import Offer
+
+    h = torch.zeros(4)
+    r = EntropyRouter(threshold=1.0, alpha=1.0, offer_threshold=0.5)
+    assert r.choose(RouteSignal(2.0, h), {"suffix": Offer(0.4, 4)}) == "eagle3"
+    assert r.choose(RouteSignal(2.0, h), {"suffix": Offer(0.5, 4)}) == "suffix"
+    assert r.choose(RouteSignal(0.5, h), {}) == "dflash"
+    mlp = RouterMLP(4, 8)
+    assert NeuralRouter(mlp, 0.0, offer_threshold=1.0).choose(RouteSignal(2.0, h), {"suffix": Offer(1.5, 4)}) == \
+        "suffix"
+    assert NeuralRouter(mlp, 0.0, offer_threshold=1.0).choose(RouteSignal(2.0, h), {"suffix": Offer(0.9, 4)}) != \
+        "suffix"
+
+
 def test_router_history_ema_updates_for_the_drafter_that_drafted_and_relaxes_the_other():
     from whiflash_trt.spec.router import FEATURES, RouterHistory
 

@@ -107,3 +107,15 @@ def test_no_match_is_the_root_alone():
 def test_depth_must_hold_a_match_and_a_draft():
     with pytest.raises(ValueError, match="depth >= 2"):
         SuffixIndex(depth=1)
+
+
+def test_the_offer_trusts_a_longer_match_more():
+    index = SuffixIndex()
+    index.append([5, 6, 1, 2, 9, 9, 5, 6, 1, 2])   # "5 6 1 2" twice: a match of up to 4, then "9"
+    long, short = index.draft(9, nodes=2), SuffixIndex()
+    short.append([1, 2, 3])
+    short_draft = short.draft(1, nodes=2)          # a match of one token
+    assert long.score == short_draft.score == 1.0
+    assert long.match > short_draft.match == 1
+    assert long.expected > short_draft.expected > 0
+    assert SuffixIndex().draft(1, nodes=4).expected == 0.0

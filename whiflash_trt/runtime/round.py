@@ -1,7 +1,9 @@
 """One round for a batch of requests: route -> catch up -> propose -> verify -> commit.
 
 Generation keeps the invariant of runtime.sequence: after prefill and after every round, the committed tokens are
-cached and one bonus token is pending. Target-only decoding (`ar`) is the round with an empty draft. Each phase hands
+cached and one bonus token is pending. Target-only decoding (`ar`) is the round with an empty draft. A free
+drafter (no model: the suffix drafter) proposes before the route, which weighs its offer; the learned drafters are
+caught up and propose after it, only when chosen (lazy) or caught up every round (eager). Each phase hands
 the next an immutable record (Route, Draft, the target's output, a Verdict); only commit changes a Sequence.
 
 One target forward verifies every running request's tree and prefills the requests that join. The target's rows do
@@ -120,7 +122,7 @@ class Round:
         for req in running:
             route = routes.get(id(req))
             if route is not None and route.offer is not None:
-                drafts[id(req)] = Draft(route, route.offer.tree, {**route.frontiers, route.drafter: route.offer.frontier})
+                drafts[id(req)] = Draft(route, route.offer.tree, route.frontiers)
             elif route is not None and route.drafter in req.proposers:
                 groups[req.proposers[route.drafter].group_key()].append(req)
         for members in groups.values():

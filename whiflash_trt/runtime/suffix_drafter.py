@@ -47,4 +47,4 @@ class SuffixProposer(Proposer):
 
     def propose(self, seq: Sequence) -> Proposal:
         draft = self.index.draft(seq.pending, self.max_tree_tokens(), self.tree.min_prob, self.tree.factor)
-        return Proposal(draft.tree, frontier=self.index.length, expected=draft.score)
+        return Proposal(draft.tree, frontier=self.index.length, expected=draft.expected)

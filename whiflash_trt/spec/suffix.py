@@ -7,7 +7,8 @@ stream. Proposing follows SuffixDecoding (arXiv 2411.04975): from the longest ea
 the pending token, the draft is the tree of the most probable continuations, where a continuation's probability is
 the product along its path of count(child) / count(parent); nodes below `min_prob` are left out, and the tree is no
 deeper than `factor` times the match length. The sum of the drafted nodes' probabilities is the number of drafts the
-verify is expected to accept if the text goes on as it went before: the drafter's score.
+verify would accept if the text went on as it went before (the tree's score). A short match recurs by chance more
+often than it predicts, so the offer the router weighs trusts a match of m tokens m / (m + MATCH_PRIOR) of that.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import math
 from dataclasses import dataclass
 
 from whiflash_trt.spec.tree import DraftTree
+
+MATCH_PRIOR = 3.0   # fit on held-out greedy outputs by scripts/suffix_offers.py (docs/measurements.md)
 
 
 # A trie node is a list [count, {token: child}]: appending walks ~`depth` of them a token, and list indexing is 2.5x
@@ -32,8 +35,13 @@ class SuffixDraft:
 
     @property
     def score(self) -> float:
-        """Expected accepted drafts under the index's continuation frequencies."""
+        """Accepted drafts expected under the index's continuation frequencies."""
         return sum(self.probs[1:])
+
+    @property
+    def expected(self) -> float:
+        """Accepted drafts expected, the score shrunk by the match's length (see the module docstring)."""
+        return self.score * self.match / (self.match + MATCH_PRIOR) if self.match else 0.0
 
 
 class SuffixIndex:
