@@ -151,9 +151,7 @@ class Round:
                 return None
         with clock.phase("catch_up", [req]):
             route = _guarded(req, catch_up, req, drafters, route)
-        if route is None or _guarded(req, reserve, req, name) is None:
-            return None
-        return route
+        return None if route is None else _guarded(req, reserve, req, route)
 
     def choose(self, req: Request, offers: Mapping[str, Proposal]) -> str:
         """The round's drafter: the router's choice (weighing the free drafters' `offers` of more than the root), or
@@ -243,11 +241,12 @@ def learned(req: Request) -> bool:
     return any(not p.free for p in req.proposers.values())
 
 
-def reserve(req: Request, drafter: str) -> bool:
-    """Slots for the round's writes past the committed tokens (within the blocks the request holds)."""
-    proposer = req.proposers.get(drafter)
+def reserve(req: Request, route: Route) -> Route:
+    """`route` once the slots for the round's writes past the committed tokens are reserved (within the blocks the
+    request holds)."""
+    proposer = req.proposers.get(route.drafter)
     req.seq.reserve(req.seq.num_committed + (slots_per_round(proposer) if proposer else 1))
-    return True
+    return route
 
 
 def _propose(members: list[Request], drafts: list[Draft]) -> dict[int, Draft]:
