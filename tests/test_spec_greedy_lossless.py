@@ -243,3 +243,20 @@ def test_dflash_drafting_from_a_draft_vocabulary_is_lossless(tmp_path, tiny_chec
             gen = GenerationConfig(max_new_tokens=5 + 9 * i)
             assert engine.generate(prompt, gen, spec=spec).token_ids == engine.generate(prompt, gen).token_ids
     assert drafted and set(drafted) <= set(ids.tolist())
+
+
+def test_the_suffix_drafter_copies_a_repeated_passage(spec_engine):
+    """A prompt that repeats a passage: where the target's output follows a passage it has seen, the suffix drafter's
+    drafts are accepted, with no model of its own, and output is the target's."""
+    vocab = spec_engine.target.config.vocab_size
+    rng = random.Random(11)
+    accepted = 0
+    for _ in range(3):
+        passage = [rng.randrange(1, vocab) for _ in range(12)]
+        prompt = passage * 3
+        gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+        ref = spec_engine.generate(prompt, gen, spec=SpecConfig(mode="ar"))
+        out = spec_engine.generate(prompt, gen, spec=SpecConfig(mode="suffix"))
+        assert out.token_ids == ref.token_ids
+        accepted += out.stats["new_tokens"] - out.stats["rounds"]
+    assert accepted > 0, accepted
