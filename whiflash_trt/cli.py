@@ -256,6 +256,35 @@ class _StreamPrinter:
         self.out.flush()
 
 
+def _add_tree_options(p: argparse.ArgumentParser) -> None:
+    """whiflash-run's draft-tree settings of each drafter."""
+    p.add_argument("--tree-top-k", type=int, help=f"EAGLE-3 tree: children per expanded node, 1 = a chain "
+                                                  f"(default: {TreeConfig.top_k})")
+    p.add_argument("--tree-depth", type=int, help=f"EAGLE-3 tree: draft steps per round "
+                                                  f"(default: {TreeConfig.depth})")
+    p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round at most, root "
+                                                         f"included (default: {DEFAULT_NODES_HELP[EAGLE3]})")
+    p.add_argument("--tree-min-prob", type=float, help=f"EAGLE-3 tree: nodes whose path probability under the "
+                                                       f"drafter is lower are not verified "
+                                                       f"(default: {TreeConfig.min_prob})")
+    p.add_argument("--dflash-tree-total-tokens", type=int,
+                   help="DFlash tree (DDTree): nodes verified per round at most, root included, the most probable "
+                        "prefixes under the block's per-position distributions "
+                        f"(default: {DEFAULT_NODES_HELP[DFLASH]}, or what the block holds)")
+    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
+                                                         "chain (default: no limit)")
+    p.add_argument("--dflash-tree-min-prob", type=float, help="DFlash tree: prefixes less probable than this are "
+                                                              f"not verified (default: {DFlashTreeConfig.min_prob})")
+    p.add_argument("--suffix-tree-total-tokens", type=int, help="suffix tree: nodes verified per round at most, root "
+                                                                "included (default: "
+                                                                f"{DEFAULT_NODES_HELP[SUFFIX]})")
+    p.add_argument("--suffix-tree-min-prob", type=float, help="suffix tree: continuations seen less often than this "
+                                                              "share of the match's occurrences are not verified "
+                                                              f"(default: {SuffixTreeConfig.min_prob})")
+    p.add_argument("--suffix-tree-factor", type=float, help="suffix tree: depth at most this times the match's "
+                                                            f"length (default: {SuffixTreeConfig.factor})")
+
+
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="whiflash-run", description="Generate text with a whiflash engine.",
                                 formatter_class=DefaultsHelpFormatter)
@@ -283,31 +312,7 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--catch-up", choices=list(CATCH_UP),
                    help="whiflash: lazy (the default) updates a drafter only when chosen; eager updates both every "
                         "round")
-    p.add_argument("--tree-top-k", type=int, help=f"EAGLE-3 tree: children per expanded node, 1 = a chain "
-                                                  f"(default: {TreeConfig.top_k})")
-    p.add_argument("--tree-depth", type=int, help=f"EAGLE-3 tree: draft steps per round "
-                                                  f"(default: {TreeConfig.depth})")
-    p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round at most, root "
-                                                         f"included (default: {DEFAULT_NODES_HELP[EAGLE3]})")
-    p.add_argument("--tree-min-prob", type=float, help=f"EAGLE-3 tree: nodes whose path probability under the "
-                                                       f"drafter is lower are not verified "
-                                                       f"(default: {TreeConfig.min_prob})")
-    p.add_argument("--dflash-tree-total-tokens", type=int,
-                   help="DFlash tree (DDTree): nodes verified per round at most, root included, the most probable "
-                        "prefixes under the block's per-position distributions "
-                        f"(default: {DEFAULT_NODES_HELP[DFLASH]}, or what the block holds)")
-    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
-                                                         "chain (default: no limit)")
-    p.add_argument("--dflash-tree-min-prob", type=float, help="DFlash tree: prefixes less probable than this are "
-                                                              f"not verified (default: {DFlashTreeConfig.min_prob})")
-    p.add_argument("--suffix-tree-total-tokens", type=int, help="suffix tree: nodes verified per round at most, root "
-                                                                "included (default: "
-                                                                f"{DEFAULT_NODES_HELP[SUFFIX]})")
-    p.add_argument("--suffix-tree-min-prob", type=float, help="suffix tree: continuations seen less often than this "
-                                                              "share of the match's occurrences are not verified "
-                                                              f"(default: {SuffixTreeConfig.min_prob})")
-    p.add_argument("--suffix-tree-factor", type=float, help="suffix tree: depth at most this times the match's "
-                                                            f"length (default: {SuffixTreeConfig.factor})")
+    _add_tree_options(p)
     p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from whiflash_trt.config import AR, AUTO, DFLASH, EAGLE3, MODE_DRAFTERS, WHIFLASH, SpecConfig
+from whiflash_trt.config import AR, AUTO, DFLASH, EAGLE3, MODE_DRAFTERS, SUFFIX, WHIFLASH, SpecConfig
 
 
 def default_mode(drafters: set[str]) -> str:
-    """Both drafters routed per round, else the one drafter, else target-only."""
-    return next(mode for mode in (WHIFLASH, EAGLE3, DFLASH, AR) if set(MODE_DRAFTERS[mode]) <= drafters)
+    """Every drafter routed per round where the engine has both learned ones, else its one learned drafter, else
+    target-only. The suffix drafter needs no checkpoint: every engine has it."""
+    held = set(drafters) | {SUFFIX}
+    return next(mode for mode in (WHIFLASH, EAGLE3, DFLASH, AR) if set(MODE_DRAFTERS[mode]) <= held)
 
 
 def resolve_spec(spec: SpecConfig, drafters: set[str], has_router_weights: bool) -> SpecConfig:
