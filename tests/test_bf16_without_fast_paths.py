@@ -31,6 +31,7 @@ def slow_path_engine(spec_engine_dir):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "registered", lambda: False)
+        patch.setattr(kernels.ops, "registered", lambda: False)   # what the ops themselves ask (kernels/ops.py)
         patch.setattr(layers, "onednn_bf16", lambda: False)
         patch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", _no_onednn_reorder)
         engine = Engine.load(spec_engine_dir, dtype="bf16", backend="torch")

@@ -29,7 +29,9 @@ they share.
 
 TargetModel.fuse_projections hands bf16 and fp32 weights and the attention to them once they are loaded. Where the
 CPU lacks AVX2 and FMA or no C++ compiler is found, nothing is loaded: the linears keep oneDNN and MKL
-(models/layers.py FrozenLinear) and the attention models/attention.py's row-invariant torch version.
+(models/layers.py FrozenLinear) and the attention models/attention.py's row-invariant torch version. The vocabulary
+reductions (entropy_margin, argmax_rows, topk_rows) can be called anywhere: off the kernels, or on a tensor off the
+CPU, each runs its torch formulation.
 """
 from whiflash_trt.kernels.build import DEFAULT_CACHE, LIBRARY, KernelBuildError, can_build
 from whiflash_trt.kernels.cpu import ISA_ENV, ISAS, cpu_supported, cpuinfo, isa

@@ -1,6 +1,10 @@
 """The kernels' ops in this process: loading a compiled library (kernels/build.py) for this process's ISA
 (kernels/cpu.py), the GEMM loop it runs (choose_gemm), the C shims and fake shapes a compiled step needs, and the
-wrappers the models call (linear, linear_norm, paged_attention, ...)."""
+wrappers the models call (linear, linear_norm, paged_attention, ...).
+
+The vocabulary reductions (entropy_margin, argmax_rows, topk_rows) work everywhere: each runs the engine's kernel on
+a CPU tensor where the kernels are loaded, else its torch formulation. The other wrappers take weights packed for the
+kernels (pack_weight, pack_int8, pack_gate_up) or run inside a model that chose the kernels when it was built."""
 from __future__ import annotations
 
 import ctypes
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 
 from whiflash_trt.kernels import build, cpu
 from whiflash_trt.kernels.build import DEFAULT_CACHE, LIBRARY, KernelBuildError
+from whiflash_trt.spec.router import entropy_and_margin
 
 BLOCK = 64   # outputs per packed block (linear_bf16.cpp kBlock)
 
@@ -317,20 +322,35 @@ def kv_prefill(feats: torch.Tensor, fc_packed: torch.Tensor, hidden: int, hidden
                                   k_norm_weight, cos, sin, eps, k_cache, v_cache, write_slots)
 
 
+def _on_kernels(t: torch.Tensor) -> bool:
+    """The engine's kernel runs an op on `t` (else its torch formulation): the kernels are loaded, t is on the CPU."""
+    return registered() and t.device.type == "cpu"
+
+
 def entropy_margin(logits: torch.Tensor) -> tuple[float, float]:
-    """spec.router.entropy_and_margin of logits [vocab] (fp32 or bf16), in two passes in C++."""
+    """spec.router.entropy_and_margin of logits [vocab] (fp32 or bf16): in two passes in C++ on the kernels, else that
+    function itself."""
+    if not _on_kernels(logits):
+        return entropy_and_margin(logits)
     entropy, margin = torch.ops.whiflash.entropy_margin(logits)
     return entropy, margin
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab] (fp32 or bf16) -> int64 [rows]: torch.argmax(logits, -1) (the first index of a tie)."""
+    """logits [rows, vocab] (fp32 or bf16) -> int64 [rows]: torch.argmax(logits, -1) (the first index of a tie); off
+    the kernels, torch's over logits.float() (the index it has in bf16: widening is exact)."""
+    if not _on_kernels(logits):
+        return logits.float().argmax(-1)
     return torch.ops.whiflash.argmax_rows(logits)
 
 
 def topk_rows(logits: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (fp32 or bf16) -> (fp32 values [rows, k], int64 indices [rows, k]): each row's k largest,
-    largest first, ties to the smaller index; with `log_softmax`, the values of torch.log_softmax(logits.float())."""
+    largest first; with `log_softmax`, the values of torch.log_softmax(logits.float()). On the kernels ties go to the
+    smaller index; off them torch.topk runs over the fp32 values."""
+    if not _on_kernels(logits):
+        top = torch.topk(torch.log_softmax(logits.float(), dim=-1) if log_softmax else logits.float(), k, dim=-1)
+        return top.values, top.indices
     return torch.ops.whiflash.topk_rows(logits, k, log_softmax)
 
 

@@ -337,10 +337,7 @@ class DFlashProposer(LearnedProposer):
 def top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k largest values (fp32; with `log_softmax`, of log_softmax(x)) and their indices, largest first:
     the engine's kernel where it is loaded (3 rows of 8192 log-probs: ~6 us against aten's topk ~39 us), else torch."""
-    if kernels.registered() and x.device.type == "cpu":
-        return kernels.topk_rows(x, k, log_softmax)
-    top = torch.topk(torch.log_softmax(x.float(), dim=-1) if log_softmax else x.float(), k, dim=-1)
-    return top.values, top.indices
+    return kernels.topk_rows(x, k, log_softmax)
 
 
 def max_prefix_tree_nodes(depth: int, top_k: int | None) -> int | float:

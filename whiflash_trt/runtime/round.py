@@ -31,7 +31,7 @@ from whiflash_trt.runtime.request import Request
 from whiflash_trt.runtime.round_costs import LiveRoundSeconds
 from whiflash_trt.runtime.stats import PHASES
 from whiflash_trt.runtime.target_runner import Feed, TargetRunner
-from whiflash_trt.spec.router import NO_DRAFT, Offer, RouteSignal, route_signal
+from whiflash_trt.spec.router import NO_DRAFT, Offer, RouteSignal
 from whiflash_trt.spec.sampling import next_token, target_probs
 from whiflash_trt.spec.tree import DraftTree
 from whiflash_trt.spec.verify import Verdict, verify_greedy, verify_sampling
@@ -302,19 +302,14 @@ def record(req: Request, draft: Draft, verdict: Verdict | None, seconds: dict[st
 
 
 def greedy_choice(logits: torch.Tensor) -> list[int] | None:
-    """The target's argmax at every verified node from the engine's kernel where it is loaded, else None:
-    verify_greedy takes it from the logits."""
-    if kernels.registered() and logits.device.type == "cpu":
-        return kernels.argmax_rows(logits).tolist()
-    return None
+    """The target's argmax at every verified node (kernels.argmax_rows: the engine's kernel where it is loaded)."""
+    return kernels.argmax_rows(logits).tolist()
 
 
 def signal_of(logits: torch.Tensor, hidden: torch.Tensor, drafter: str | None = None, accepted: int = 0) -> RouteSignal:
     """spec.router.route_signal, its entropy and margin from the engine's kernel where it is loaded."""
-    if kernels.registered() and logits.device.type == "cpu":
-        entropy, margin = kernels.entropy_margin(logits)
-        return RouteSignal(entropy, hidden, margin, drafter, accepted)
-    return route_signal(logits, hidden, drafter, accepted)
+    entropy, margin = kernels.entropy_margin(logits)
+    return RouteSignal(entropy, hidden, margin, drafter, accepted)
 
 
 def slots_per_round(proposer: Proposer) -> int:
