@@ -285,10 +285,11 @@ def verify_feed(req: Request, draft: Draft) -> Feed:
 
 
 def judge(req: Request, draft: Draft, out: TargetOutput) -> Verdict:
-    """Walk the target's choices through the tree (spec.verify)."""
+    """Walk the target's choices through the tree (spec.verify; greedy: the argmax of every node from
+    kernels.argmax_rows)."""
     sampling = req.gen.sampling
     if sampling.greedy:
-        return verify_greedy(draft.tree, out.logits, greedy_choice(out.logits))
+        return verify_greedy(draft.tree, out.logits, kernels.argmax_rows(out.logits).tolist())
     return verify_sampling(draft.tree, target_probs(out.logits, sampling), req.generator)
 
 
@@ -299,11 +300,6 @@ def record(req: Request, draft: Draft, verdict: Verdict | None, seconds: dict[st
     req.stats.drafter_prefill_tokens += draft.route.prefill_tokens
     req.stats.catch_up_tokens += draft.route.catch_up_tokens
     req.stats.record(draft.route.drafter, verdict.num_accepted, seconds)
-
-
-def greedy_choice(logits: torch.Tensor) -> list[int] | None:
-    """The target's argmax at every verified node (kernels.argmax_rows: the engine's kernel where it is loaded)."""
-    return kernels.argmax_rows(logits).tolist()
 
 
 def signal_of(logits: torch.Tensor, hidden: torch.Tensor, drafter: str | None = None, accepted: int = 0) -> RouteSignal:
