@@ -23,7 +23,7 @@ from whiflash_trt.runtime.replay import accepted_at, capture_output
 from whiflash_trt.spec.router import NO_DRAFT       # a target-only round, as in the engine's round trace
 
 CHOICES = (NO_DRAFT, SUFFIX, EAGLE3, DFLASH)        # ties go to the earlier (cheaper to run) choice
-STATIC = {NO_DRAFT: AR, SUFFIX: SUFFIX, EAGLE3: EAGLE3, DFLASH: DFLASH}   # choice -> the bench mode that always makes it
+STATIC = {NO_DRAFT: AR, SUFFIX: SUFFIX, EAGLE3: EAGLE3, DFLASH: DFLASH}   # choice -> the bench mode always making it
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ ROUTING = ("router", "threshold", "catch_up")   # whiflash mode only
 EAGLE3_TREE = ("tree_top_k", "tree_depth", "tree_total_tokens", "tree_min_prob")   # SpecConfig.tree
 DFLASH_TREE = ("dflash_tree_total_tokens", "dflash_tree_top_k", "dflash_tree_min_prob")   # SpecConfig.dflash_tree
 SUFFIX_TREE = ("suffix_tree_total_tokens", "suffix_tree_min_prob", "suffix_tree_factor")   # SpecConfig.suffix_tree
-PARAMS = ("mode", *ROUTING, *EAGLE3_TREE, *DFLASH_TREE, *SUFFIX_TREE)   # the neutral names of a request's speculation settings
+# the neutral names of a request's speculation settings
+PARAMS = ("mode", *ROUTING, *EAGLE3_TREE, *DFLASH_TREE, *SUFFIX_TREE)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,6 @@ class SuffixProposer(Proposer):
         shaped.tree, shaped.index = spec.suffix_tree, SuffixIndex()
         return shaped
 
-    def group_key(self) -> tuple:
-        return (self.name, id(self))   # each request's index is its own
-
     def scratch_slots(self) -> int:
         return 0
 
