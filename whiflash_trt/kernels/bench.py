@@ -25,17 +25,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--turns", type=int, default=9)
+    p.add_argument("--rows", default="1,6", help="row counts, comma-separated")
+    p.add_argument("--no-torch", action="store_true", help="time the kernel only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    row_counts = [int(r) for r in args.rows.split(",")]
     if not kernels.ensure_loaded():
         raise SystemExit("the kernels cannot be loaded here")
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES]
     packed = [kernels.pack_weight(w) for w in weights]
-    fp32 = [w.float() for w in weights]
+    fp32 = [] if args.no_torch else [w.float() for w in weights]
     bf16_bytes = sum(w.numel() * 2 for w in weights)
     xs = {rows: {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (HIDDEN, INTERMEDIATE)}
-          for rows in (1, 6)}
+          for rows in row_counts}
 
     def kernel(rows: int) -> None:
         for (n, k), w in zip(SHAPES, packed):
@@ -45,10 +48,11 @@ def main() -> None:
         for (n, k), w in zip(SHAPES, fp32):
             F.linear(xs[rows][k].float(), w)
 
-    runs = {(name, rows): [] for name in ("kernel", "torch") for rows in (1, 6)}
+    names = ("kernel",) if args.no_torch else ("kernel", "torch")
+    runs = {(name, rows): [] for name in names for rows in row_counts}
     for _ in range(args.turns):
-        for rows in (1, 6):
-            for name, fn in (("kernel", kernel), ("torch", reference)):
+        for rows in row_counts:
+            for name, fn in (("kernel", kernel), ("torch", reference))[:len(names)]:
                 start = time.perf_counter()
                 fn(rows)
                 runs[name, rows].append(time.perf_counter() - start)

@@ -36,8 +36,9 @@
 // widened weights per pair leave too few registers), nor 4-6 rows as two passes over half of each block's outputs
 // (the second from cache: slower than one walk).
 //
-// On AVX2 (16 ymm) a block's 64 outputs are 8 vectors: a pass holds them all for one row, and for more rows walks the
-// block in 2 or 4 passes over a part of its outputs each (pass_vecs), every weight line still read once per call.
+// On AVX2 (16 ymm) a block's 64 outputs are 8 vectors: a one-row call walks two blocks whole side by side (16
+// accumulators), and more rows walk a block in 2 or 4 passes over a part of its outputs each (pass_vecs), every weight
+// line still read once per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -113,10 +114,10 @@ inline void store_rows(int rows, int vecs, const Acc& acc, const float* bias, ui
 
 // Software prefetch (to L2) of a pass's lines ahead, +5-10% over the hardware prefetcher alone (measured, AVX-512,
 // 2 threads): 8 KB with one stream (4 KB was slower at 6 rows, 12-24 KB no faster at 3 and 6), 2 KB each with two
-// (1 and 3 KB no faster at one row)
+// (1 and 3 KB no faster at one row); on AVX2 two streams take 512 bytes (0-1 KB alike, docs/measurements.md)
 template <int Blocks, int Vecs>
 inline void prefetch_pass(const int32_t* wk) {
-  constexpr int bytes = Blocks == 1 ? 8192 : 2048;
+  constexpr int bytes = Blocks == 1 ? 8192 : kLanes == 8 ? 512 : 2048;
   for (int line = 0; line < Vecs * kLanes * 4; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(wk) + line + bytes, _MM_HINT_T1);
 }
@@ -145,11 +146,13 @@ inline void run_pass(const int32_t* w, int64_t pairs, int64_t first, const float
                y + b * kBlock + first, ldy, cols - b * kBlock - first);
 }
 
-// Every pass over a block (or two) for `Rows` rows: Vecs = pass_vecs(Rows) vectors of outputs at a time
+// Every pass over a block (or two) for `Rows` rows: Vecs = pass_vecs(Rows) vectors of outputs at a time; two blocks
+// at one row on AVX2 in one pass of both whole blocks (16 accumulators, a few of them kept in L1 by the compiler):
+// each pass then streams whole lines in order, where two passes over half of each block's lines took 1.33x as long
 template <int Rows, int Blocks, typename Add>
 inline void run_blocks(const int32_t* w, int64_t pairs, const float* bias, uint16_t* y, int64_t ldy, int64_t cols,
                        const Add& add) {
-  constexpr int vecs = Blocks == 1 ? pass_vecs(Rows) : pass_vecs(2 * Rows);
+  constexpr int vecs = Blocks == 1 ? pass_vecs(Rows) : kLanes == 8 ? kVecs : pass_vecs(2 * Rows);
   for (int64_t first = 0; first < kBlock && first < cols; first += vecs * kLanes)
     run_pass<Rows, vecs, Blocks>(w, pairs, first, bias, y, ldy, cols, add);
 }
