@@ -32,13 +32,13 @@
 // A call of one row (decode, an EAGLE-3 draft step) walks two adjacent blocks side by side: two streams in flight per
 // thread keep more of the memory bandwidth busy than one (three or four blocks are no faster). Only the order in
 // which the two blocks' instructions issue changes, no lane's sum. The DOT loop walks two blocks up to 3 rows (a
-// small verify; 24 accumulators), where one block's walk at 2-6 rows costs what 6 rows do. Not the FMA loop (its 2
-// widened weights per pair leave too few registers), nor 4-6 rows as two passes over half of each block's outputs
+// small verify; 24 accumulators), where one block's walk at 2-6 rows costs what 6 rows do. Not AVX-512's FMA loop (its
+// 2 widened weights per pair leave too few registers), nor 4-6 rows as two passes over half of each block's outputs
 // (the second from cache: slower than one walk).
 //
-// On AVX2 (16 ymm) a block's 64 outputs are 8 vectors: a one-row call walks two blocks whole side by side (16
-// accumulators), and more rows walk a block in 2 or 4 passes over a part of its outputs each (pass_vecs), every weight
-// line still read once per call.
+// On AVX2 (16 ymm) a block's 64 outputs are 8 vectors, and a pass takes them all at any row count (the accumulators
+// past the registers wait in L1): calls of up to 3 rows walk two blocks side by side, more rows one block, 6 rows a
+// walk (run_blocks).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -66,16 +66,13 @@ using whiflash::Vec;
 
 constexpr int64_t kBlock = 64;      // outputs per packed block
 constexpr int kVecs = kBlock / kLanes;   // vectors of outputs per block: 4 zmm or 8 ymm
-constexpr int kTileRows = 6;        // rows of x per pass over a block
+constexpr int kTileRows = 6;        // rows of x per walk over a block
 constexpr int64_t kScaleRows = 4;   // an int8 block's 64 fp32 scales = 4 rows of 64 int8 (i8_rows)
-// Rows of x per walk of the bf16 loops over a block: 6 on AVX-512; 3 on AVX2, where a 4-6-row walk takes 4 passes
-// of a quarter block each (pass_vecs) and two 3-row walks of 2 passes are faster, the second walk reading the block
-// from L2 (AMD EPYC Zen 3)
-constexpr int kWalkRows = kLanes == 16 ? kTileRows : 3;
 
 // Vectors of one block's outputs a pass of `rows` rows accumulates (a divisor of kVecs): as many as the registers
-// hold beside a pass's weights and broadcasts. AVX-512: the whole block for up to 6 rows (24 accumulators); AVX2:
-// the whole block for 1 row, half of it for 2-3, a quarter for 4-6, each pass streaming its own lines of the block.
+// hold beside a pass's weights and broadcasts. AVX-512: the whole block for up to 6 rows (24 accumulators); AVX2 (the
+// int8 loop; its bf16 loops take the whole block, run_blocks): the whole block for 1 row, half of it for 2-3, a
+// quarter for 4-6, each pass streaming its own lines of the block.
 constexpr int pass_vecs(int rows) {
   int vecs = kVecs;
   while (vecs > 1 && rows * vecs > whiflash::kAccumulators) vecs /= 2;
@@ -146,13 +143,14 @@ inline void run_pass(const int32_t* w, int64_t pairs, int64_t first, const float
                y + b * kBlock + first, ldy, cols - b * kBlock - first);
 }
 
-// Every pass over a block (or two) for `Rows` rows: Vecs = pass_vecs(Rows) vectors of outputs at a time; two blocks
-// at one row on AVX2 in one pass of both whole blocks (16 accumulators, a few of them kept in L1 by the compiler):
-// each pass then streams whole lines in order, where two passes over half of each block's lines took 1.33x as long
+// Every pass over a block (or two) for `Rows` rows: Vecs = pass_vecs(Rows) vectors of outputs at a time on AVX-512.
+// On AVX2 one pass takes the whole block (or both) whatever the rows, the accumulators the 16 ymm do not hold kept in
+// L1 by the compiler: a pass then streams whole lines in order, where passes over a half or a quarter of each
+// block's outputs read every k's lines strided and took 1.25-1.33x as long at 1-8 rows (docs/measurements.md)
 template <int Rows, int Blocks, typename Add>
 inline void run_blocks(const int32_t* w, int64_t pairs, const float* bias, uint16_t* y, int64_t ldy, int64_t cols,
                        const Add& add) {
-  constexpr int vecs = Blocks == 1 ? pass_vecs(Rows) : kLanes == 8 ? kVecs : pass_vecs(2 * Rows);
+  constexpr int vecs = kLanes == 8 ? kVecs : Blocks == 1 ? pass_vecs(Rows) : pass_vecs(2 * Rows);
   for (int64_t first = 0; first < kBlock && first < cols; first += vecs * kLanes)
     run_pass<Rows, vecs, Blocks>(w, pairs, first, bias, y, ldy, cols, add);
 }
@@ -203,8 +201,9 @@ struct Loops {
   BlockFn pair[kMaxPairRows];   // two blocks side by side, 1 .. pair_rows rows
   int64_t pair_rows;            // calls of up to this many rows walk two blocks at a time
 };
+// AVX2 walks two blocks up to 3 rows (0.77x the time of one at 3 rows), AVX-512 at one row
 constexpr Loops kFmaLoops = {{fma_rows<1, 1>, fma_rows<2, 1>, fma_rows<3, 1>, fma_rows<4, 1>, fma_rows<5, 1>,
-                              fma_rows<6, 1>}, {fma_rows<1, 2>}, 1};
+                              fma_rows<6, 1>}, {fma_rows<1, 2>, fma_rows<2, 2>, fma_rows<3, 2>}, kLanes == 8 ? 3 : 1};
 #if defined(__AVX512BF16__)
 constexpr Loops kDotLoops = {{dot_rows<1, 1>, dot_rows<2, 1>, dot_rows<3, 1>, dot_rows<4, 1>, dot_rows<5, 1>,
                               dot_rows<6, 1>}, {dot_rows<1, 2>, dot_rows<2, 2>, dot_rows<3, 2>}, 3};
@@ -544,7 +543,7 @@ void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, co
 #else
   const Loops& loops = kFmaLoops;   // set_gemm_variant offers no other loop in this build
 #endif
-  whiflash::for_each_tile(columns, kBlock, rows, kWalkRows, loops.pair_rows, [&](int64_t blk, int64_t count,
+  whiflash::for_each_tile(columns, kBlock, rows, kTileRows, loops.pair_rows, [&](int64_t blk, int64_t count,
                                                                                  int64_t col, int64_t cols, int64_t r,
                                                                                  int64_t n) {
     const BlockFn fn = count == 2 ? loops.pair[n - 1] : loops.rows[n - 1];
