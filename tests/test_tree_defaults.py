@@ -1,19 +1,22 @@
 """A draft tree's default node count follows the verify's GEMM loop: 8 / 5 nodes (EAGLE-3 / DFlash) where it runs on
-AMX tiles of 16 rows, 6 / 6 where it takes 6 rows per pass, and a request's own count wins."""
+AMX tiles of 16 rows, 4 for every drafter on AVX2's FMA loop, 6 elsewhere, and a request's own count wins."""
 import torch
 
 from whiflash_trt import kernels
-from whiflash_trt.config import DFLASH, EAGLE3, SpecConfig, TreeConfig
+from whiflash_trt.config import DFLASH, EAGLE3, SUFFIX, SpecConfig, TreeConfig
 from whiflash_trt.runtime import tree_defaults
 from whiflash_trt.runtime.tree_defaults import default_nodes
 
 
 def test_the_default_node_counts_follow_the_gemm_loop(monkeypatch):
     monkeypatch.setattr(kernels, "registered", lambda: True)
-    for gemm, expected in (("amx", {EAGLE3: 8, DFLASH: 5}), ("dot", {EAGLE3: 6, DFLASH: 6}),
-                           ("fma", {EAGLE3: 6, DFLASH: 6})):
+    for gemm, isa, expected in (("amx", "amx", {EAGLE3: 8, DFLASH: 5, SUFFIX: 6}),
+                                ("dot", "avx512bf16", {EAGLE3: 6, DFLASH: 6, SUFFIX: 6}),
+                                ("fma", "avx512", {EAGLE3: 6, DFLASH: 6, SUFFIX: 6}),
+                                ("fma", "avx2", {EAGLE3: 4, DFLASH: 4, SUFFIX: 4})):
         monkeypatch.setattr(kernels, "gemm", lambda g=gemm: g)
-        assert {d: default_nodes(d, torch.device("cpu")) for d in (EAGLE3, DFLASH)} == expected
+        monkeypatch.setattr(kernels, "loaded_isa", lambda i=isa: i)
+        assert {d: default_nodes(d, torch.device("cpu")) for d in (EAGLE3, DFLASH, SUFFIX)} == expected
     monkeypatch.setattr(kernels, "gemm", lambda: "amx")
     assert default_nodes(EAGLE3, torch.device("meta")) == tree_defaults.NODES[EAGLE3]   # not the CPU's loop
 

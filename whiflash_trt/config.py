@@ -211,7 +211,7 @@ CATCH_UP = ("lazy", "eager")
 @dataclass(frozen=True)
 class TreeConfig:
     """Shape of EAGLE-3's dynamic draft tree. total_tokens None: the default of the CPU's GEMM loop
-    (runtime.tree_defaults: 8 on AMX tiles, else 6)."""
+    (runtime.tree_defaults: 8 on AMX tiles, 4 on AVX2, else 6)."""
     # Each verified row costs 2-3% of a decode step, worth it only for a node likely to be accepted: nodes below the
     # probability floor go unverified, so the tree verifies up to total_tokens where the drafter is sure and fewer where
     # it is not, and a third draft step pays. The router's labels come from these defaults: changing them means
@@ -232,8 +232,8 @@ class TreeConfig:
 class DFlashTreeConfig:
     """DFlash's draft per round, from one block forward: the DDTree of the total_tokens - 1 most probable prefixes
     under the block's per-position distributions (spec.ddtree); top_k 1 is the block's chain of total_tokens - 1
-    argmax drafts. total_tokens None: the default of the CPU's GEMM loop (runtime.tree_defaults: 5 on AMX tiles, else
-    6), or fewer where the block (and top_k) cannot hold that many."""
+    argmax drafts. total_tokens None: the default of the CPU's GEMM loop (runtime.tree_defaults: 5 on AMX tiles, 4 on
+    AVX2, else 6), or fewer where the block (and top_k) cannot hold that many."""
     # No probability floor by default: on DFlash's trees it measured no gain. Measurements: docs/measurements.md,
     # "DFlash's tree".
     total_tokens: int | None = None   # nodes verified per round at most, root (bonus) included; None: see above

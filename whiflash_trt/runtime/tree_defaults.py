@@ -7,6 +7,9 @@ where a verified node stops being nearly free.
 - The FMA and dot loops take 6 rows per pass, and each further row is a second pass over the weights in cache: 6
   nodes for both. The dot loop's two-block walk makes 2-3 rows cost little more than a decode step
   (kernels/linear_bf16.cpp), but trees that small lose more tau than round time.
+- The FMA loop on AVX2 (8 lanes) takes every row at about 0.3x of a decode step's time per further 1-2 rows
+  (SmolLM2's linears: 10.8 ms at 1 row, 12.4-12.8 at 3, 14.2 at 4, 15.6 at 6): 4 nodes for every drafter. The
+  suffix drafter's 4 follows the learned drafters' (its rows cost what theirs do; not measured apart).
 - The torch path and other devices take this default too.
 
 The comparisons behind these counts: docs/measurements.md, "Default node counts".
@@ -19,12 +22,21 @@ from whiflash_trt import kernels
 from whiflash_trt.config import DFLASH, EAGLE3, SUFFIX
 
 NODES = {EAGLE3: 6, DFLASH: 6, SUFFIX: 6}
-NODES_BY_GEMM = {"amx": {EAGLE3: 8, DFLASH: 5}}
-DEFAULT_NODES_HELP = {d: f"{NODES_BY_GEMM['amx'][d]} where the GEMM runs on AMX tiles, else {NODES[d]}"
-                      for d in NODES_BY_GEMM["amx"]} | {SUFFIX: str(NODES[SUFFIX])}
+AVX2_FMA = "fma-avx2"   # the FMA loop of the avx2 build
+NODES_BY_GEMM = {"amx": {EAGLE3: 8, DFLASH: 5}, AVX2_FMA: {EAGLE3: 4, DFLASH: 4, SUFFIX: 4}}
+DEFAULT_NODES_HELP = {d: f"{NODES_BY_GEMM['amx'].get(d, NODES[d])} where the GEMM runs on AMX tiles, "
+                         f"{NODES_BY_GEMM[AVX2_FMA][d]} on AVX2-only CPUs, else {NODES[d]}" for d in NODES}
+
+
+def gemm_kind() -> str | None:
+    """This process's GEMM loop as the defaults key it (None without the kernels)."""
+    if not kernels.registered():
+        return None
+    gemm = kernels.gemm()
+    return AVX2_FMA if gemm == "fma" and kernels.loaded_isa() == "avx2" else gemm
 
 
 def default_nodes(drafter: str, device: torch.device) -> int:
     """Nodes (root included) that `drafter`'s tree verifies by default on `device` with this process's GEMM loop."""
-    gemm = kernels.gemm() if device.type == "cpu" and kernels.registered() else None
+    gemm = gemm_kind() if device.type == "cpu" else None
     return NODES_BY_GEMM.get(gemm, {}).get(drafter, NODES[drafter])
