@@ -20,6 +20,7 @@ from whiflash_trt.config import GenerationConfig, SpecConfig
 from whiflash_trt.runtime.engine import Engine
 
 SPECS = {"ar": SpecConfig(mode="ar"), "eagle3": SpecConfig(mode="eagle3"), "dflash": SpecConfig(mode="dflash"),
+         "suffix": SpecConfig(mode="suffix"),
          "whiflash-entropy": SpecConfig(mode="whiflash", router="entropy"),
          "whiflash-neural": SpecConfig(mode="whiflash", router="neural"),
          "whiflash-eager": SpecConfig(mode="whiflash", router="entropy", catch_up="eager")}
