@@ -25,7 +25,7 @@ import torch
 
 from whiflash_trt import kernels
 from whiflash_trt.models.contracts import Segment
-from whiflash_trt.models.layers import apply_rope
+from whiflash_trt.models.layers import apply_rope, attention
 
 CHUNK = 64       # keys per chunk: every chunk reduction has this length
 ROW_BLOCK = 128  # query rows per pass over the keys (bounds the score memory of a long prefill)
@@ -75,6 +75,37 @@ class RowKeys:
         """KeyLayout.attend on the kernel, which rotates q and k itself (kernels.paged_attention)."""
         return kernels.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, self.slots, self.lengths,
                                        scale, cos, sin)
+
+
+@dataclass
+class GraphKeys:
+    """Each row's keys for an exported graph (ONNX), which cannot write its inputs: the pools read at read_slots [S]
+    (logical order) as a torch step sees them after its own writes (a read slot that is also a write slot shows the
+    new token's K/V), attended through SDPA under a [T, S] mask; every layer's new K/V are kept (k_new, v_new) for
+    the caller to scatter into the pools."""
+    mask: torch.Tensor    # [T, S] bool
+    fresh: torch.Tensor   # [S, 1, 1] bool: read slot s is written by this step
+    source: torch.Tensor  # [S] the new row that writes read slot s (where fresh)
+    k: torch.Tensor       # [L, S, kv, D] the pools at read_slots before this step
+    v: torch.Tensor
+    k_new: list = field(default_factory=list)   # per layer, [T, kv, D] (k after RoPE)
+    v_new: list = field(default_factory=list)
+
+    @staticmethod
+    def overlay(k_cache, v_cache, write_slots, read_slots, mask) -> GraphKeys:
+        hit = read_slots[:, None] == write_slots[None, :]                                # [S, T]
+        source = (hit * torch.arange(write_slots.shape[0])[None, :]).sum(-1)
+        return GraphKeys(mask, hit.any(-1)[:, None, None], source, k_cache.index_select(1, read_slots),
+                         v_cache.index_select(1, read_slots))
+
+    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float, cos, sin) -> torch.Tensor:
+        """KeyLayout.attend without the pool write (k_cache, v_cache, write_slots are unused: the overlay has them)."""
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.k_new.append(k)
+        self.v_new.append(v)
+        k_read = torch.where(self.fresh, k.index_select(0, self.source), self.k[layer])
+        v_read = torch.where(self.fresh, v.index_select(0, self.source), self.v[layer])
+        return attention(q, k_read, v_read, self.mask, scale)
 
 
 def attention_keys(segments: list[Segment], group: int, use_kernel: bool) -> KeyLayout | RowKeys:
