@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from whiflash_trt.models.dflash import DFlashDrafter
-from whiflash_trt.models.attention import GraphKeys
+from whiflash_trt.models.attention import AttentionContext, GraphKeys
 from whiflash_trt.models.eagle3 import Eagle3Drafter
 from whiflash_trt.models.target import TargetModel
 
@@ -40,7 +40,7 @@ _DIM_NAMES = ("T", "S", "NS", "R")
 
 
 class TargetStep(nn.Module):
-    """TargetModel.forward_keys over GraphKeys: the same layers, the pools read through the overlay instead of
+    """TargetModel.run over GraphKeys: the same layers, the pools read through the overlay instead of
     written; returns every layer's new K/V."""
 
     def __init__(self, target: TargetModel, capture_layers: tuple[int, ...]) -> None:
@@ -48,15 +48,15 @@ class TargetStep(nn.Module):
         self.target, self.capture_layers = target, capture_layers
 
     def forward(self, input_ids, positions, k_cache, v_cache, write_slots, read_slots, attn_mask, logits_indices):
-        keys = GraphKeys.overlay(k_cache, v_cache, write_slots, read_slots, attn_mask)
-        out = self.target.forward_keys(input_ids, positions, k_cache, v_cache, write_slots, keys,
-                                       self.capture_layers, logits_indices)
+        m, keys = self.target, GraphKeys.overlay(k_cache, v_cache, write_slots, read_slots, attn_mask)
+        ctx = AttentionContext.at(m.rotary, positions, m.dtype, write_slots, keys, k_cache, v_cache)
+        out = m.run(input_ids, ctx, self.capture_layers, logits_indices)
         feats = (out.captured,) if self.capture_layers else ()
         return (out.logits, out.hidden, *feats, torch.stack(keys.k_new), torch.stack(keys.v_new))
 
 
 class Eagle3Step(nn.Module):
-    """Eagle3Drafter.forward_keys over GraphKeys (see TargetStep); returns the new K/V [1, T, KV, D]."""
+    """Eagle3Drafter.run over GraphKeys (see TargetStep); returns the new K/V [1, T, KV, D]."""
 
     def __init__(self, drafter: Eagle3Drafter) -> None:
         super().__init__()
@@ -64,7 +64,8 @@ class Eagle3Step(nn.Module):
 
     def forward(self, embeds, hidden, positions, k_cache, v_cache, write_slots, read_slots, attn_mask):
         keys = GraphKeys.overlay(k_cache, v_cache, write_slots, read_slots, attn_mask)
-        out = self.drafter.forward_keys(embeds, hidden, positions, k_cache, v_cache, write_slots, keys)
+        ctx = AttentionContext.at(self.drafter.rotary, positions, hidden.dtype, write_slots, keys, k_cache, v_cache)
+        out = self.drafter.run(embeds, hidden, ctx)
         return out, keys.k_new[0][None], keys.v_new[0][None]
 
 
