@@ -159,9 +159,9 @@ def test_capture_layer_out_of_range_is_refused(tiny_checkpoint):
 @pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine")
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
 def test_bf16_layers_on_the_kernels_match_the_torch_modules(tiny_checkpoint, variant):
-    """In bf16 on the kernels every layer runs its kernel form (norms_in_gemms: its residual adds, norms and SwiGLU inside the
-    GEMMs: kernels.linear_norm); the torch modules' forward over the same weights gives the same logits and captured
-    layers but for a norm's last bit here and there (the sum of squares is ordered otherwise)."""
+    """In bf16 on the kernels every layer runs its kernel form (norms_in_gemms: its residual adds, norms and SwiGLU
+    inside the GEMMs: kernels.linear_norm); the torch modules' forward over the same weights gives the same logits and
+    captured layers but for a norm's last bit here and there (the sum of squares is ordered otherwise)."""
     target = instantiate_target(load_hf_checkpoint(tiny_checkpoint(variant)), torch.bfloat16)
     assert all(layer.norms_in_gemms for layer in target.layers)
     cfg, t = target.config, 23

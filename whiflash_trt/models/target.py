@@ -14,7 +14,7 @@ from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.models.attention import AttentionContext, attention_keys
 from whiflash_trt.models.contracts import Segment, Target, TargetOutput
-from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear
+from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, k_major, row_linear
 
 
 class Attention(nn.Module):
@@ -53,12 +53,6 @@ class Attention(nn.Module):
         self.o_proj.weight = nn.Parameter(k_major(self.o_proj.weight), requires_grad=False)
         self.qkv = FrozenLinear(fused, bias, use_kernels, int8, many_rows)
         self.o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, use_kernels, int8, many_rows)
-
-    def project(self, x, cos, sin):
-        """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
-        RoPE (cos/sin broadcast over the heads)."""
-        q, k, v = self.heads(x.shape[:-1], *self.projections(x))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def projections(self, x) -> list[torch.Tensor]:
         """x [..., H] -> q, k, v [..., heads (kv_heads) * head_dim]"""
