@@ -159,16 +159,17 @@ def test_capture_layer_out_of_range_is_refused(tiny_checkpoint):
 @pytest.mark.skipif(not kernels.registered(), reason="the kernels are not loaded on this machine")
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
 def test_bf16_layers_on_the_kernels_match_the_torch_modules(tiny_checkpoint, variant):
-    """In bf16 on the kernels every layer runs forward_residual (its residual adds, norms and SwiGLU inside the
-    GEMMs: kernels.linear_norm); the torch modules' forward over the same weights gives the same logits and captured
-    layers but for a norm's last bit here and there (the sum of squares is ordered otherwise)."""
+    """In bf16 on the kernels every layer runs its kernel form (norms_in_gemms: its residual adds, norms and SwiGLU
+    inside the GEMMs: kernels.linear_norm); the torch modules' forward over the same weights gives the same logits and
+    captured layers but for a norm's last bit here and there (the sum of squares is ordered otherwise)."""
     target = instantiate_target(load_hf_checkpoint(tiny_checkpoint(variant)), torch.bfloat16)
-    assert target.norms_on_kernels
+    assert all(layer.norms_in_gemms for layer in target.layers)
     cfg, t = target.config, 23
     ids = torch.randint(0, cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(3))
     outs = []
     for on_kernels in (True, False):
-        target.norms_on_kernels = on_kernels
+        for layer in target.layers:
+            layer.norms_in_gemms = on_kernels
         pools = [torch.zeros(cfg.num_layers, 32, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
                  for _ in range(2)]
         with torch.inference_mode():

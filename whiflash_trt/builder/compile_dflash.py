@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from whiflash_trt.builder.compile_target import package, step_dims
-from whiflash_trt.models.attention import RowKeys
+from whiflash_trt.models.attention import AttentionContext, RowKeys
 from whiflash_trt.models.dflash import DFlashDrafter
 
 
@@ -24,8 +24,9 @@ class DFlashStep(nn.Module):
         self.drafter = drafter
 
     def forward(self, block_embeds, positions, k_cache, v_cache, write_slots, row_slots, row_len):
-        return self.drafter.forward_keys(block_embeds, positions, k_cache, v_cache, write_slots,
-                                         RowKeys(row_slots, row_len))
+        ctx = AttentionContext.at(self.drafter.rotary, positions, block_embeds.dtype, write_slots,
+                                  RowKeys(row_slots, row_len), k_cache, v_cache)
+        return self.drafter.run(block_embeds, ctx)
 
 
 def example_inputs(drafter: DFlashDrafter, blocks: int = 2, keys: int = 80, slots: int = 160):

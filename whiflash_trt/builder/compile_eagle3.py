@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from whiflash_trt.builder.compile_target import package, step_dims
-from whiflash_trt.models.attention import RowKeys
+from whiflash_trt.models.attention import AttentionContext, RowKeys
 from whiflash_trt.models.eagle3 import Eagle3Drafter
 
 
@@ -27,8 +27,9 @@ class Eagle3Step(nn.Module):
         self.drafter = drafter
 
     def forward(self, embeds, hidden, positions, k_cache, v_cache, write_slots, row_slots, row_len):
-        out = self.drafter.forward_keys(embeds, hidden, positions, k_cache, v_cache, write_slots,
-                                        RowKeys(row_slots, row_len))
+        ctx = AttentionContext.at(self.drafter.rotary, positions, hidden.dtype, write_slots,
+                                  RowKeys(row_slots, row_len), k_cache, v_cache)
+        out = self.drafter.run(embeds, hidden, ctx)
         return out, self.drafter.draft_logprobs(out)
 
 

@@ -1,7 +1,7 @@
 """`whiflash-build --backend compiled`: the target's forward exported with torch.export and compiled ahead of time by
 AOTInductor into one package the runtime loads without recompiling (runtime/backends/compiled.py).
 
-The graph is the eager forward (TargetModel.forward_keys) over the engine's kernels: the GEMMs (with the layers'
+The graph is the eager forward (TargetModel.run) over the engine's kernels: the GEMMs (with the layers'
 residual adds, RMSNorms and SwiGLU inside them: kernels.linear_norm) and the paged attention stay custom ops
 (whiflash_trt/kernels), which the KV pools are written through; inductor fuses what is left between them (RoPE, the
 final norm) and drops the per-op dispatch of eager mode. One graph serves every call: the new rows T, the keys per
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from whiflash_trt import kernels
-from whiflash_trt.models.attention import RowKeys
+from whiflash_trt.models.attention import AttentionContext, RowKeys
 from whiflash_trt.models.target import TargetModel
 
 # inductor settings of the package: bf16 roundings as eager mode does them; weights stay inputs of the kernels
@@ -39,8 +39,10 @@ class TargetStep(nn.Module):
         self.target, self.capture_layers = target, capture_layers
 
     def forward(self, input_ids, positions, k_cache, v_cache, write_slots, row_slots, row_len, logits_indices):
-        out = self.target.forward_keys(input_ids, positions, k_cache, v_cache, write_slots,
-                                       RowKeys(row_slots, row_len), self.capture_layers, logits_indices)
+        m = self.target
+        ctx = AttentionContext.at(m.rotary, positions, m.dtype, write_slots, RowKeys(row_slots, row_len), k_cache,
+                                  v_cache)
+        out = m.run(input_ids, ctx, self.capture_layers, logits_indices)
         return (out.logits, out.hidden) + ((out.captured,) if self.capture_layers else ())
 
 

@@ -1,8 +1,8 @@
 """Export the engines the runtime needs to ONNX graphs (the artifact TensorRT's parser and onnxruntime consume).
 
 An exported graph cannot mutate its inputs, so the steps that write a paged pool in torch (target step, EAGLE-3 draft
-step) are wrapped: the wrappers reuse the very same layer modules, read the pool at read_slots as torch would see it
-*after* the step's own writes (the "overlay" below), and return the new K/V for the caller to scatter into the pool.
+step) are thin wrappers over the models' own forward with models.attention.GraphKeys, which reads the pool at
+read_slots as torch would see it *after* the step's own writes and keeps the new K/V for the caller to scatter.
 KV-only prefill exports as the single `trt.plugins::WhiflashKVOnlyPrefill` node (whiflash_trt.plugins.onnx_plugin).
 
 Graphs, inputs -> outputs (T new tokens, S keys read, NS pool slots, R logits rows; all dynamic; B static):
@@ -32,72 +32,41 @@ import torch
 from torch import nn
 
 from whiflash_trt.models.dflash import DFlashDrafter
+from whiflash_trt.models.attention import AttentionContext, GraphKeys
 from whiflash_trt.models.eagle3 import Eagle3Drafter
-from whiflash_trt.models.layers import attention
 from whiflash_trt.models.target import TargetModel
 
 _DIM_NAMES = ("T", "S", "NS", "R")
 
 
-class _Overlay:
-    """The keys/values at read_slots as a torch step sees them after its own index_copy_ into the pool:
-    a read slot that is also a write slot shows the new token's K/V. Computed once, applied per layer."""
-
-    def __init__(self, k_cache, v_cache, write_slots, read_slots) -> None:
-        hit = read_slots[:, None] == write_slots[None, :]                              # [S, T]
-        self.fresh = hit.any(-1)[:, None, None]                                        # [S, 1, 1]
-        self.src = (hit * torch.arange(write_slots.shape[0])[None, :]).sum(-1)          # [S] index into the new rows
-        self.k, self.v = k_cache.index_select(1, read_slots), v_cache.index_select(1, read_slots)  # [L, S, KV, D]
-
-    def layer(self, i: int, k_new, v_new):
-        return (torch.where(self.fresh, k_new.index_select(0, self.src), self.k[i]),
-                torch.where(self.fresh, v_new.index_select(0, self.src), self.v[i]))
-
-
 class TargetStep(nn.Module):
-    """TargetModel.forward without the pool write: same layers, returns the new K/V of every layer."""
+    """TargetModel.run over GraphKeys: the same layers, the pools read through the overlay instead of
+    written; returns every layer's new K/V."""
 
     def __init__(self, target: TargetModel, capture_layers: tuple[int, ...]) -> None:
         super().__init__()
         self.target, self.capture_layers = target, capture_layers
 
     def forward(self, input_ids, positions, k_cache, v_cache, write_slots, read_slots, attn_mask, logits_indices):
-        m = self.target
-        x = m.embed_tokens(input_ids)
-        cos, sin = m.rotary(positions, x.dtype)
-        pool = _Overlay(k_cache, v_cache, write_slots, read_slots)
-        new_k, new_v, captured = [], [], []
-        for i, layer in enumerate(m.layers):
-            # DecoderLayer.forward with the pool write replaced by the overlay
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-            x = x + attn.o_proj(attention(q, *pool.layer(i, k, v), attn_mask, attn.scale))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            new_k.append(k)
-            new_v.append(v)
-            if i in self.capture_layers:
-                captured.append(x)
-        hidden = m.norm(x.index_select(0, logits_indices))
-        feats = [torch.cat(captured, dim=-1)] if captured else []
-        return (m.lm_head(hidden), hidden, *feats, torch.stack(new_k), torch.stack(new_v))
+        m, keys = self.target, GraphKeys.overlay(k_cache, v_cache, write_slots, read_slots, attn_mask)
+        ctx = AttentionContext.at(m.rotary, positions, m.dtype, write_slots, keys, k_cache, v_cache)
+        out = m.run(input_ids, ctx, self.capture_layers, logits_indices)
+        feats = (out.captured,) if self.capture_layers else ()
+        return (out.logits, out.hidden, *feats, torch.stack(keys.k_new), torch.stack(keys.v_new))
 
 
 class Eagle3Step(nn.Module):
-    """Eagle3Drafter.forward without the pool write; returns the new K/V [1, T, KV, D]."""
+    """Eagle3Drafter.run over GraphKeys (see TargetStep); returns the new K/V [1, T, KV, D]."""
 
     def __init__(self, drafter: Eagle3Drafter) -> None:
         super().__init__()
         self.drafter = drafter
 
     def forward(self, embeds, hidden, positions, k_cache, v_cache, write_slots, read_slots, attn_mask):
-        m = self.drafter
-        layer, attn = m.midlayer, m.midlayer.self_attn
-        cos, sin = m.rotary(positions, hidden.dtype)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        q, k, v = attn.project(x, cos, sin)
-        pool = _Overlay(k_cache, v_cache, write_slots, read_slots)
-        h = hidden + attn.o_proj(attention(q, *pool.layer(0, k, v), attn_mask, attn.scale))
-        return h + layer.mlp(layer.post_attention_layernorm(h)), k[None], v[None]
+        keys = GraphKeys.overlay(k_cache, v_cache, write_slots, read_slots, attn_mask)
+        ctx = AttentionContext.at(self.drafter.rotary, positions, hidden.dtype, write_slots, keys, k_cache, v_cache)
+        out = self.drafter.run(embeds, hidden, ctx)
+        return out, keys.k_new[0][None], keys.v_new[0][None]
 
 
 class DFlashBlock(nn.Module):

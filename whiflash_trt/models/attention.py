@@ -25,7 +25,7 @@ import torch
 
 from whiflash_trt import kernels
 from whiflash_trt.models.contracts import Segment
-from whiflash_trt.models.layers import apply_rope
+from whiflash_trt.models.layers import apply_rope, attention
 
 CHUNK = 64       # keys per chunk: every chunk reduction has this length
 ROW_BLOCK = 128  # query rows per pass over the keys (bounds the score memory of a long prefill)
@@ -33,6 +33,30 @@ ROW_BLOCK = 128  # query rows per pass over the keys (bounds the score memory of
 # we measured (the Xeon: from 3 up; the EPYC: 1 to 3); tests/test_row_invariance.py holds it.
 GEMM_ROWS = 3
 V_EXTRA = 16     # columns after the values: the ones that sum p, then zeros (a p.v width of D + 16)
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """One step's attention inputs, built once per forward and passed to every layer: the new rows' rotary angles,
+    the pool slots their K/V go to, what each row reads (`keys`, whose kind says how: RowKeys on the engine's kernel,
+    KeyLayout on torch, GraphKeys in an exported graph, dflash.BlockReads for DFlash's torch blocks) and every
+    layer's pools."""
+    cos: torch.Tensor                  # [T, 1, D] (broadcast over heads)
+    sin: torch.Tensor
+    write_slots: torch.Tensor | None   # [T]; None: the step writes no pool (BlockReads)
+    keys: KeyLayout | RowKeys | GraphKeys   # or dflash.BlockReads
+    k_cache: torch.Tensor              # [L, slots, kv, D]
+    v_cache: torch.Tensor
+
+    @staticmethod
+    def at(rotary, positions, dtype, write_slots, keys, k_cache, v_cache) -> AttentionContext:
+        """The context of rows at `positions` [T]: `rotary`'s (a layers.RotaryTable) angles there in `dtype`."""
+        return AttentionContext(*rotary(positions, dtype), write_slots, keys, k_cache, v_cache)
+
+    def attend(self, q, k, v, layer: int, scale: float) -> torch.Tensor:
+        """q [T, heads, D], k and v [T, kv, D] (not rotated) -> [T, heads * D], layer `layer`'s K/V written (or,
+        in a graph, kept)."""
+        return self.keys.attend(q, k, v, self, layer, scale)
 
 
 @dataclass
@@ -55,13 +79,13 @@ class KeyLayout:
     blocks: list[RowBlock]
     group: int  # query heads per KV head
 
-    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float, cos, sin) -> torch.Tensor:
-        """Rotates q [T, heads, D] and k [T, kv, D] (apply_rope at cos, sin), writes k, v at write_slots of layer
-        `layer` of the pools [L, slots, kv, D], then attends q -> [T, heads * D]."""
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache[layer].index_copy_(0, write_slots, k)
-        v_cache[layer].index_copy_(0, write_slots, v)
-        return row_invariant_attention(q, k_cache[layer], v_cache[layer], self, scale)
+    def attend(self, q, k, v, ctx: AttentionContext, layer: int, scale: float) -> torch.Tensor:
+        """Rotates q [T, heads, D] and k [T, kv, D] (apply_rope at ctx.cos, ctx.sin), writes k, v at ctx.write_slots
+        of layer `layer` of the pools [L, slots, kv, D], then attends q -> [T, heads * D]."""
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        ctx.k_cache[layer].index_copy_(0, ctx.write_slots, k)
+        ctx.v_cache[layer].index_copy_(0, ctx.write_slots, v)
+        return row_invariant_attention(q, ctx.k_cache[layer], ctx.v_cache[layer], self, scale)
 
 
 @dataclass
@@ -71,10 +95,41 @@ class RowKeys:
     slots: torch.Tensor    # [T, W] int64; row t reads slots[t, :lengths[t]]
     lengths: torch.Tensor  # [T] int64
 
-    def attend(self, q, k, v, k_cache, v_cache, layer: int, write_slots, scale: float, cos, sin) -> torch.Tensor:
+    def attend(self, q, k, v, ctx: AttentionContext, layer: int, scale: float) -> torch.Tensor:
         """KeyLayout.attend on the kernel, which rotates q and k itself (kernels.paged_attention)."""
-        return kernels.paged_attention(q, k, v, k_cache, v_cache, layer, write_slots, self.slots, self.lengths,
-                                       scale, cos, sin)
+        return kernels.paged_attention(q, k, v, ctx.k_cache, ctx.v_cache, layer, ctx.write_slots, self.slots,
+                                       self.lengths, scale, ctx.cos, ctx.sin)
+
+
+@dataclass
+class GraphKeys:
+    """Each row's keys for an exported graph (ONNX), which cannot write its inputs: the pools read at read_slots [S]
+    (logical order) as a torch step sees them after its own writes (a read slot that is also a write slot shows the
+    new token's K/V), attended through SDPA under a [T, S] mask; every layer's new K/V are kept (k_new, v_new) for
+    the caller to scatter into the pools."""
+    mask: torch.Tensor    # [T, S] bool
+    fresh: torch.Tensor   # [S, 1, 1] bool: read slot s is written by this step
+    source: torch.Tensor  # [S] the new row that writes read slot s (where fresh)
+    k: torch.Tensor       # [L, S, kv, D] the pools at read_slots before this step
+    v: torch.Tensor
+    k_new: list = field(default_factory=list)   # per layer, [T, kv, D] (k after RoPE)
+    v_new: list = field(default_factory=list)
+
+    @staticmethod
+    def overlay(k_cache, v_cache, write_slots, read_slots, mask) -> GraphKeys:
+        hit = read_slots[:, None] == write_slots[None, :]                                # [S, T]
+        source = (hit * torch.arange(write_slots.shape[0])[None, :]).sum(-1)
+        return GraphKeys(mask, hit.any(-1)[:, None, None], source, k_cache.index_select(1, read_slots),
+                         v_cache.index_select(1, read_slots))
+
+    def attend(self, q, k, v, ctx: AttentionContext, layer: int, scale: float) -> torch.Tensor:
+        """KeyLayout.attend without the pool write (the overlay holds what the step reads of the pools)."""
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        self.k_new.append(k)
+        self.v_new.append(v)
+        k_read = torch.where(self.fresh, k.index_select(0, self.source), self.k[layer])
+        v_read = torch.where(self.fresh, v.index_select(0, self.source), self.v[layer])
+        return attention(q, k_read, v_read, self.mask, scale)
 
 
 def attention_keys(segments: list[Segment], group: int, use_kernel: bool) -> KeyLayout | RowKeys:

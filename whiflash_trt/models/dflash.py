@@ -14,9 +14,9 @@ from torch import nn
 
 from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig, RopeConfig
-from whiflash_trt.models.attention import RowKeys, row_keys
+from whiflash_trt.models.attention import AttentionContext, RowKeys, row_keys
 from whiflash_trt.models.contracts import DFlash, Segment
-from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, paged_attention
+from whiflash_trt.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, paged_attention
 from whiflash_trt.models.packed_kv_prefill import PackedKVPrefill
 from whiflash_trt.models.target import Attention
 from whiflash_trt.plugins.kv_prefill import kv_only_prefill
@@ -70,27 +70,38 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
+@dataclass
+class BlockReads:
+    """DFlash's torch attention (a context's keys): block i of S blocks (B rows each) attends to its context at
+    reads[i] and, bidirectionally, to itself. The block's own K/V are scratch: appended after the gathered context,
+    never written to the pool."""
+    reads: list[torch.Tensor]
+
+    def attend(self, q, k, v, ctx: AttentionContext, layer: int, scale: float) -> torch.Tensor:
+        """q [S * B, heads, D], k and v [S * B, kv, D] (not rotated) -> [S * B, heads * D], block by block."""
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        b = q.shape[0] // len(self.reads)
+        outs = []
+        for i, read_slots in enumerate(self.reads):
+            rows = slice(i * b, (i + 1) * b)
+            n = read_slots.numel()
+            k_all = torch.cat([ctx.k_cache[layer].index_select(0, read_slots), k[rows]])
+            v_all = torch.cat([ctx.v_cache[layer].index_select(0, read_slots), v[rows]])
+            slots = torch.arange(n + b, device=q.device)
+            mask = torch.ones(b, n + b, dtype=torch.bool, device=q.device)
+            outs.append(paged_attention(q[rows], k_all, v_all, slots, mask, scale))
+        return torch.cat(outs)
+
+
 class DFlashAttention(Attention):
     """The target's attention projections (Qwen3-style q/k norms); each block attends to its context and,
-    bidirectionally, to itself. On the engine's kernel (Attention.forward with RowKeys, see block_keys) the block's
-    K/V go to its scratch slots of the pool; `gathered` is the torch version, which never writes the pool."""
+    bidirectionally, to itself: on the engine's kernel (RowKeys, see block_keys) with the block's K/V at its
+    scratch slots of the pool, or on torch (BlockReads), which never writes the pool."""
 
-    def gathered(self, x, cos, sin, k_pool, v_pool, reads: list[torch.Tensor]):
-        """Blocks x [S * B, H] of S sequences (B rows each), block i over the context at reads[i] -> [S * B, H].
-        The projections run over every block at once; the attention block by block."""
-        b = x.shape[0] // len(reads)
-        q, k, v = self.project(x, cos, sin)
-        outs = []
-        for i, read_slots in enumerate(reads):
-            rows = slice(i * b, (i + 1) * b)
-            # The block's own K/V are scratch: append them after the gathered context instead of writing the pool.
-            ctx = read_slots.numel()
-            k_all = torch.cat([k_pool.index_select(0, read_slots), k[rows]])
-            v_all = torch.cat([v_pool.index_select(0, read_slots), v[rows]])
-            slots = torch.arange(ctx + b, device=x.device)
-            mask = torch.ones(b, ctx + b, dtype=torch.bool, device=x.device)
-            outs.append(paged_attention(q[rows], k_all, v_all, slots, mask, self.scale))
-        out = torch.cat(outs)
+    def forward(self, x, ctx: AttentionContext, layer: int):
+        if not isinstance(ctx.keys, BlockReads):
+            return super().forward(x, ctx, layer)
+        out = self.attend(x.shape[:-1], *self.projections(x), ctx, layer)
         return self.o(out) if self.qkv is not None else self.o_proj(out)
 
 
@@ -102,15 +113,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, layer: int, reads: list[torch.Tensor] | None,
-                write_slots: torch.Tensor | None = None, keys: RowKeys | None = None):
-        """The torch attention over `reads` (keys None), or the kernel's over `keys`, writing the block at
-        `write_slots`."""
-        h = self.input_layernorm(x)
-        if keys is None:
-            x = x + self.self_attn.gathered(h, cos, sin, k_cache[layer], v_cache[layer], reads)
-        else:
-            x = x + self.self_attn(h, cos, sin, k_cache, v_cache, layer, write_slots, keys)
+    def forward(self, x, ctx: AttentionContext, layer: int):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -182,21 +186,18 @@ class DFlashDrafter(nn.Module, DFlash):
         A fused drafter on the engine's kernels writes block i's K/V at its scratch slots writes[i] [B] of the pool
         (given; else the torch attention runs, which never writes it)."""
         if self.kernel_attention and writes is not None:
-            return self.forward_keys(block_embeds, positions, k_cache, v_cache, torch.cat(writes),
-                                     block_keys(reads, writes))
-        x = block_embeds
-        cos, sin = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache, v_cache, i, reads)
-        return self.norm(x)
+            write_slots, keys = torch.cat(writes), block_keys(reads, writes)
+        else:
+            write_slots, keys = None, BlockReads(reads)
+        ctx = AttentionContext.at(self.rotary, positions, block_embeds.dtype, write_slots, keys, k_cache, v_cache)
+        return self.run(block_embeds, ctx)
 
-    def forward_keys(self, block_embeds, positions, k_cache, v_cache, write_slots, keys: RowKeys) -> torch.Tensor:
-        """forward_many on the kernel with the rows' keys laid out (block_keys): tensors only, the graph
-        builder/compile_dflash.py exports."""
+    def run(self, block_embeds, ctx: AttentionContext) -> torch.Tensor:
+        """The one block forward: forward_many and the compiled step (builder/compile_dflash.py) build `ctx` and
+        call it."""
         x = block_embeds
-        cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache, v_cache, i, None, write_slots, keys)
+            x = layer(x, ctx, i)
         return self.norm(x)
 
     def _stacked_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

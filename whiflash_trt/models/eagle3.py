@@ -13,7 +13,7 @@ from torch import nn
 
 from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig, RopeConfig
-from whiflash_trt.models.attention import KeyLayout, RowKeys, attention_keys
+from whiflash_trt.models.attention import AttentionContext, attention_keys
 from whiflash_trt.models.contracts import Eagle3, Segment
 from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU
 from whiflash_trt.models.packed_kv_prefill import PackedKVPrefill
@@ -125,16 +125,15 @@ class Eagle3Drafter(nn.Module, Eagle3):
                          segments: list[Segment]) -> torch.Tensor:
         """Several sequences' draft steps in one call: the rows of segments[i] see only its keys."""
         keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, self.kernel_attention)
-        return self.forward_keys(embeds, hidden, positions, k_cache, v_cache, write_slots, keys)
+        ctx = AttentionContext.at(self.rotary, positions, hidden.dtype, write_slots, keys, k_cache, v_cache)
+        return self.run(embeds, hidden, ctx)
 
-    def forward_keys(self, embeds, hidden, positions, k_cache, v_cache, write_slots,
-                     keys: KeyLayout | RowKeys) -> torch.Tensor:
-        """forward_segments with every row's keys laid out already (attention_keys): tensors only for RowKeys, the
-        graph builder/compile_eagle3.py exports."""
+    def run(self, embeds, hidden, ctx: AttentionContext) -> torch.Tensor:
+        """The one forward every draft step runs: forward_segments, the compiled step (builder/compile_eagle3.py)
+        and the exported graph (builder/onnx_export.py) build `ctx` and call it."""
         layer = self.midlayer
-        cos, sin = self.rotary(positions, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        h = hidden + layer.self_attn(x, cos, sin, k_cache, v_cache, 0, write_slots, keys)
+        h = hidden + layer.self_attn(x, ctx, 0)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def draft_logprobs(self, out_hidden: torch.Tensor) -> torch.Tensor:

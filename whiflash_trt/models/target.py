@@ -12,9 +12,9 @@ from torch import nn
 
 from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig
-from whiflash_trt.models.attention import KeyLayout, RowKeys, attention_keys
+from whiflash_trt.models.attention import AttentionContext, attention_keys
 from whiflash_trt.models.contracts import Segment, Target, TargetOutput
-from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, apply_rope, k_major, row_linear
+from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, k_major, row_linear
 
 
 class Attention(nn.Module):
@@ -54,12 +54,6 @@ class Attention(nn.Module):
         self.qkv = FrozenLinear(fused, bias, use_kernels, int8, many_rows)
         self.o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, use_kernels, int8, many_rows)
 
-    def project(self, x, cos, sin):
-        """x [..., H] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim]: projections, q/k norms (Qwen3),
-        RoPE (cos/sin broadcast over the heads)."""
-        q, k, v = self.heads(x.shape[:-1], *self.projections(x))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
     def projections(self, x) -> list[torch.Tensor]:
         """x [..., H] -> q, k, v [..., heads (kv_heads) * head_dim]"""
         if self.qkv is None:
@@ -80,17 +74,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def attend(self, lead, q, k, v, cos, sin, k_cache, v_cache, layer: int, write_slots,
-               keys: KeyLayout | RowKeys) -> torch.Tensor:
+    def attend(self, lead, q, k, v, ctx: AttentionContext, layer: int) -> torch.Tensor:
         """The projections' outputs q, k, v [*lead, ...] -> heads, then the attention, which rotates q and k ->
         [*lead, heads * D]. The kernel (RowKeys) rotates them itself, as apply_rope does, bit for bit: a compiled
         step then makes no pass over them between the QKV GEMM and the attention (such a pass is a serial kernel,
         ~9 us per layer at 16 rows on the Intel Xeon with AMX, the other thread waiting through it)."""
-        return keys.attend(*self.heads(lead, q, k, v), k_cache, v_cache, layer, write_slots, self.scale, cos, sin)
+        return ctx.attend(*self.heads(lead, q, k, v), layer, self.scale)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, layer: int, write_slots, keys: KeyLayout | RowKeys):
-        """k_cache, v_cache: every layer's pools [L, slots, kv, D]; this one writes and reads layer `layer`."""
-        out = self.attend(x.shape[:-1], *self.projections(x), cos, sin, k_cache, v_cache, layer, write_slots, keys)
+    def forward(self, x, ctx: AttentionContext, layer: int):
+        """Writes and reads layer `layer` of the context's pools."""
+        out = self.attend(x.shape[:-1], *self.projections(x), ctx, layer)
         return self.o(out) if self.qkv is not None else row_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
@@ -101,27 +94,27 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, k_cache, v_cache, layer: int, write_slots, keys: KeyLayout | RowKeys):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, layer, write_slots, keys)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self.norms_in_gemms = False   # forward's kernel form: set by TargetModel.fuse_projections
 
     def on_kernels(self) -> bool:
-        """Both norms can run inside the GEMMs after them (forward_residual): bf16 weights on the kernels."""
+        """Both norms can run inside the GEMMs after them (residual_forward): bf16 weights on the kernels."""
         attn, mlp = self.self_attn, self.mlp
         return (attn.qkv is not None and attn.qkv.kernel_weight is not None and mlp.gate_up_packed is not None
                 and attn.qkv.kernel_weight.dtype == torch.int32 and self.input_layernorm.weight.dtype == torch.bfloat16)
 
-    def forward_residual(self, h, delta, cos, sin, k_cache, v_cache, layer: int, write_slots,
-                         keys: KeyLayout | RowKeys):
-        """forward with the residual stream x = h + delta kept as its two terms [T, H] (delta None: x = h), so each
-        norm runs in the GEMM after it with the residual add before it (kernels.linear_norm) -> the (h, delta) of
-        the output. forward's roundings, but for the order in which a norm sums its squares (kernels/rows.h)."""
+    def forward(self, h, delta, ctx: AttentionContext, layer: int):
+        """The residual stream x = h + delta [T, H] (delta None: x = h) -> the (h, delta) of the layer's output. On
+        the kernels (norms_in_gemms, set by TargetModel.fuse_projections) the stream stays two terms, so each norm
+        runs in the GEMM after it with the residual add before it (kernels.linear_norm): the torch form's roundings,
+        but for the order in which a norm sums its squares (kernels/rows.h). Elsewhere delta stays None."""
         attn, mlp = self.self_attn, self.mlp
+        if not self.norms_in_gemms:
+            h = h + attn(self.input_layernorm(h), ctx, layer)
+            return h + mlp(self.post_attention_layernorm(h)), None
         norm = self.input_layernorm
         qkv, h = kernels.linear_norm(h, delta, norm.weight, norm.eps, attn.qkv.kernel_weight, attn.qkv.kernel_bias,
                                      attn.qkv.weight.shape[0])
-        out = attn.attend(h.shape[:-1], *attn.split(qkv), cos, sin, k_cache, v_cache, layer, write_slots, keys)
+        out = attn.attend(h.shape[:-1], *attn.split(qkv), ctx, layer)
         norm = self.post_attention_layernorm
         act, h = kernels.linear_norm(h, attn.o(out), norm.weight, norm.eps, mlp.gate_up_packed, None,
                                      mlp.gate_proj.weight.shape[0], silu=True)
@@ -141,7 +134,6 @@ class TargetModel(nn.Module, Target):
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.head: FrozenLinear | None = None  # the lm_head, set by fuse_projections
         self.kernel_attention = False          # set by fuse_projections
-        self.norms_on_kernels = False          # the layers' forward_residual: set by fuse_projections
 
     @property
     def dtype(self) -> torch.dtype:
@@ -169,7 +161,9 @@ class TargetModel(nn.Module, Target):
         self.lm_head.weight = head
         self.head = FrozenLinear(head, use_kernel=use_kernels)
         self.kernel_attention = use_kernels and kernels.registered()
-        self.norms_on_kernels = self.kernel_attention and all(layer.on_kernels() for layer in self.layers)
+        norms_in_gemms = self.kernel_attention and all(layer.on_kernels() for layer in self.layers)
+        for layer in self.layers:
+            layer.norms_in_gemms = norms_in_gemms
 
     def forward(
         self,
@@ -193,21 +187,17 @@ class TargetModel(nn.Module, Target):
         call: a verify row equals, bit for bit, the same position fed alone, and a sequence's rows in a batch equal
         its rows in a call of its own (see models/attention.py)."""
         keys = attention_keys(segments, self.config.num_heads // self.config.num_kv_heads, self.kernel_attention)
-        return self.forward_keys(input_ids, positions, k_cache, v_cache, write_slots, keys, capture_layers,
-                                 logits_indices)
+        ctx = AttentionContext.at(self.rotary, positions, self.dtype, write_slots, keys, k_cache, v_cache)
+        return self.run(input_ids, ctx, capture_layers, logits_indices)
 
-    def forward_keys(self, input_ids, positions, k_cache, v_cache, write_slots, keys: KeyLayout | RowKeys,
-                     capture_layers: tuple[int, ...] = (), logits_indices=None) -> TargetOutput:
-        """forward_segments with the keys already laid out: the graph runtime.backends.compiled exports."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+    def run(self, input_ids, ctx: AttentionContext, capture_layers: tuple[int, ...] = (),
+            logits_indices=None) -> TargetOutput:
+        """The one forward every step runs: forward_segments, the compiled step (builder/compile_target.py) and the
+        exported graph (builder/onnx_export.py) build `ctx` and call it."""
+        x, delta = self.embed_tokens(input_ids), None
         captured = []
-        delta = None
         for i, layer in enumerate(self.layers):
-            if self.norms_on_kernels:
-                x, delta = layer.forward_residual(x, delta, cos, sin, k_cache, v_cache, i, write_slots, keys)
-            else:
-                x = layer(x, cos, sin, k_cache, v_cache, i, write_slots, keys)
+            x, delta = layer(x, delta, ctx, i)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x if delta is None else x + delta))
         if delta is not None:
