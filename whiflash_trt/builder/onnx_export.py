@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from whiflash_trt.models.dflash import DFlashDrafter
 from whiflash_trt.models.attention import AttentionContext, GraphKeys
+from whiflash_trt.models.dflash import DFlashDrafter
 from whiflash_trt.models.eagle3 import Eagle3Drafter
 from whiflash_trt.models.target import TargetModel
 
