@@ -7,10 +7,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, DFLASH, EAGLE3, MODES, ROUTERS, SUFFIX, CacheConfig,
-                                 DFlashTreeConfig, GenerationConfig, SamplingConfig, SpecConfig, SuffixTreeConfig,
-                                 TreeConfig)
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
+from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig,
+                                 SpecConfig)
 from whiflash_trt.errors import SpecError, WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.prompt_lines import parse_prompt_lines
@@ -18,7 +17,7 @@ from whiflash_trt.runtime.device import check_device, default_threads, set_threa
 from whiflash_trt.runtime.kv_cache import KVCacheExhausted
 from whiflash_trt.runtime.plan import PARAMS
 from whiflash_trt.runtime.text_stream import TextStream
-from whiflash_trt.runtime.tree_defaults import DEFAULT_NODES_HELP
+from whiflash_trt.tree_options import add_tree_options, tree_settings
 
 PROMPT_SEPARATOR = "-" * 40  # between the outputs of several prompts in plain-text mode
 
@@ -256,35 +255,6 @@ class _StreamPrinter:
         self.out.flush()
 
 
-def _add_tree_options(p: argparse.ArgumentParser) -> None:
-    """whiflash-run's draft-tree settings of each drafter."""
-    p.add_argument("--tree-top-k", type=int, help=f"EAGLE-3 tree: children per expanded node, 1 = a chain "
-                                                  f"(default: {TreeConfig.top_k})")
-    p.add_argument("--tree-depth", type=int, help=f"EAGLE-3 tree: draft steps per round "
-                                                  f"(default: {TreeConfig.depth})")
-    p.add_argument("--tree-total-tokens", type=int, help=f"EAGLE-3 tree: nodes verified per round at most, root "
-                                                         f"included (default: {DEFAULT_NODES_HELP[EAGLE3]})")
-    p.add_argument("--tree-min-prob", type=float, help=f"EAGLE-3 tree: nodes whose path probability under the "
-                                                       f"drafter is lower are not verified "
-                                                       f"(default: {TreeConfig.min_prob})")
-    p.add_argument("--dflash-tree-total-tokens", type=int,
-                   help="DFlash tree (DDTree): nodes verified per round at most, root included, the most probable "
-                        "prefixes under the block's per-position distributions "
-                        f"(default: {DEFAULT_NODES_HELP[DFLASH]}, or what the block holds)")
-    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
-                                                         "chain (default: no limit)")
-    p.add_argument("--dflash-tree-min-prob", type=float, help="DFlash tree: prefixes less probable than this are "
-                                                              f"not verified (default: {DFlashTreeConfig.min_prob})")
-    p.add_argument("--suffix-tree-total-tokens", type=int, help="suffix tree: nodes verified per round at most, root "
-                                                                "included (default: "
-                                                                f"{DEFAULT_NODES_HELP[SUFFIX]})")
-    p.add_argument("--suffix-tree-min-prob", type=float, help="suffix tree: continuations seen less often than this "
-                                                              "share of the match's occurrences are not verified "
-                                                              f"(default: {SuffixTreeConfig.min_prob})")
-    p.add_argument("--suffix-tree-factor", type=float, help="suffix tree: depth at most this times the match's "
-                                                            f"length (default: {SuffixTreeConfig.factor})")
-
-
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="whiflash-run", description="Generate text with a whiflash engine.",
                                 formatter_class=DefaultsHelpFormatter)
@@ -312,7 +282,7 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--catch-up", choices=list(CATCH_UP),
                    help="whiflash: lazy (the default) updates a drafter only when chosen; eager updates both every "
                         "round")
-    _add_tree_options(p)
+    add_tree_options(p)
     p.add_argument("--stream", action="store_true", help="print text as it is generated (not with --json)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="override the engine's dtype")
@@ -351,18 +321,8 @@ def _requested_spec(args) -> SpecConfig:
         raise WhiflashError("--stream and --json do not combine: --json prints one object per prompt when it is done")
     if args.kv_budget_mb <= 0:
         raise WhiflashError(f"--kv-budget-mb must be positive, got {args.kv_budget_mb}")
-    tree = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
-                              ("total_tokens", args.tree_total_tokens), ("min_prob", args.tree_min_prob))
-            if v is not None}
-    dflash_tree = {k: v for k, v in (("total_tokens", args.dflash_tree_total_tokens),
-                                     ("top_k", args.dflash_tree_top_k), ("min_prob", args.dflash_tree_min_prob))
-                   if v is not None}
-    suffix_tree = {k: v for k, v in (("total_tokens", args.suffix_tree_total_tokens),
-                                     ("min_prob", args.suffix_tree_min_prob), ("factor", args.suffix_tree_factor))
-                   if v is not None}
     return SpecConfig(mode=args.mode, router=args.router, threshold=args.threshold,
-                      catch_up=args.catch_up or SpecConfig.catch_up, tree=TreeConfig(**tree),
-                      dflash_tree=DFlashTreeConfig(**dflash_tree), suffix_tree=SuffixTreeConfig(**suffix_tree))
+                      catch_up=args.catch_up or SpecConfig.catch_up, **tree_settings(args))
 
 
 def _given(args) -> list[str]:

@@ -9,12 +9,11 @@ from pathlib import Path
 from whiflash_trt.bench.harness import BenchOptions, run_benchmark
 from whiflash_trt.bench.modes import BASE_MODES
 from whiflash_trt.bench.prompts import CATEGORIES, COPY_CATEGORIES, MIX_CATEGORIES
-from whiflash_trt.config import (CATCH_UP, DFLASH, EAGLE3, SUFFIX, DFlashTreeConfig, SpecConfig, SuffixTreeConfig,
-                                 TreeConfig)
+from whiflash_trt.config import CATCH_UP, SpecConfig
 from whiflash_trt.errors import WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.runtime.device import default_threads
-from whiflash_trt.runtime.tree_defaults import DEFAULT_NODES_HELP
+from whiflash_trt.tree_options import add_tree_options, tree_settings
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -58,27 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed in every mode first")
     p.add_argument("--near-tie", type=float, help="logit tolerance of the lossless check (default by dtype)")
     p.add_argument("--catch-up", default=SpecConfig.catch_up, choices=list(CATCH_UP), help="routed modes' catch-up")
-    p.add_argument("--tree-top-k", type=int, default=TreeConfig.top_k, help="EAGLE-3 tree: children per node")
-    p.add_argument("--tree-depth", type=int, default=TreeConfig.depth, help="EAGLE-3 tree: draft steps")
-    p.add_argument("--tree-total-tokens", type=int, default=TreeConfig.total_tokens,
-                   help="EAGLE-3 tree: nodes verified per round at most, root included "
-                        f"(default: {DEFAULT_NODES_HELP[EAGLE3]})")
-    p.add_argument("--tree-min-prob", type=float, default=TreeConfig.min_prob,
-                   help="EAGLE-3 tree: nodes whose path probability under the drafter is lower are not verified")
-    p.add_argument("--dflash-tree-total-tokens", type=int,
-                   help="DFlash tree (DDTree): nodes verified per round at most, root included "
-                        f"(default: {DEFAULT_NODES_HELP[DFLASH]}, or what the block holds)")
-    p.add_argument("--dflash-tree-top-k", type=int, help="DFlash tree: children per node at most, 1 = the block's "
-                                                         "chain (default: no limit)")
-    p.add_argument("--dflash-tree-min-prob", type=float, default=DFlashTreeConfig.min_prob,
-                   help="DFlash tree: prefixes less probable than this are not verified")
-    p.add_argument("--suffix-tree-total-tokens", type=int, help="suffix tree: nodes verified per round at most, root "
-                   f"included (default: {DEFAULT_NODES_HELP[SUFFIX]})")
-    p.add_argument("--suffix-tree-min-prob", type=float, default=SuffixTreeConfig.min_prob,
-                   help="suffix tree: continuations seen less often than this share of the match's occurrences are "
-                        "not verified")
-    p.add_argument("--suffix-tree-factor", type=float, default=SuffixTreeConfig.factor,
-                   help="suffix tree: depth at most this times the match's length")
+    add_tree_options(p)
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory for all KV pools together (MB)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="torch threads (headline runs: 2; on a machine shared with other jobs fewer threads than "
@@ -98,12 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             entropy_thresholds=args.entropy_thresholds, neural_thresholds=args.neural_thresholds,
             near_tie=args.near_tie, kv_budget_mb=args.kv_budget_mb, threads=args.threads,
             show_progress=not args.no_progress,
-            spec=SpecConfig(catch_up=args.catch_up, tree=TreeConfig(args.tree_top_k, args.tree_depth,
-                                                                    args.tree_total_tokens, args.tree_min_prob),
-                            dflash_tree=DFlashTreeConfig(args.dflash_tree_total_tokens, args.dflash_tree_top_k,
-                                                         args.dflash_tree_min_prob),
-                            suffix_tree=SuffixTreeConfig(args.suffix_tree_total_tokens, args.suffix_tree_min_prob,
-                                                         args.suffix_tree_factor)),
+            spec=SpecConfig(catch_up=args.catch_up, **tree_settings(args)),
             command_line=command)
         results = run_benchmark(opts)
     except (WhiflashError, ValueError) as e:
