@@ -7,9 +7,10 @@ where a verified node stops being nearly free.
 - The FMA and dot loops take 6 rows per pass, and each further row is a second pass over the weights in cache: 6
   nodes for both. The dot loop's two-block walk makes 2-3 rows cost little more than a decode step
   (kernels/linear_bf16.cpp), but trees that small lose more tau than round time.
-- The FMA loop on AVX2 (8 lanes) takes every row at about 0.3x of a decode step's time per further 1-2 rows
-  (SmolLM2's linears: 10.8 ms at 1 row, 12.4-12.8 at 3, 14.2 at 4, 15.6 at 6): 4 nodes for every drafter. The
-  suffix drafter's 4 follows the learned drafters' (its rows cost what theirs do; not measured apart).
+- The FMA loop on AVX2 (8 lanes) is compute-bound from 3 rows: each row past the second adds 0.1-0.15x a decode
+  step's GEMM time (SmolLM2's linears: 10.8 ms at 1 and 2 rows, 12.4-12.8 at 3, 14.2 at 4, 15.6 at 6): 4 nodes for
+  every drafter. The suffix drafter's 4 follows the learned drafters' (its rows cost what theirs do; not measured
+  apart).
 - The torch path and other devices take this default too.
 
 The comparisons behind these counts: docs/measurements.md, "Default node counts".
