@@ -16,9 +16,12 @@ def test_the_default_node_counts_follow_the_gemm_loop(monkeypatch):
                                 ("fma", "avx2", {EAGLE3: 4, DFLASH: 4, SUFFIX: 4})):
         monkeypatch.setattr(kernels, "gemm", lambda g=gemm: g)
         monkeypatch.setattr(kernels, "loaded_isa", lambda i=isa: i)
-        assert {d: default_nodes(d, torch.device("cpu")) for d in (EAGLE3, DFLASH, SUFFIX)} == expected
+        assert {d: default_nodes(d, torch.device("cpu"), torch.bfloat16) for d in (EAGLE3, DFLASH, SUFFIX)} == expected
     monkeypatch.setattr(kernels, "gemm", lambda: "amx")
-    assert default_nodes(EAGLE3, torch.device("meta")) == tree_defaults.NODES[EAGLE3]   # not the CPU's loop
+    assert default_nodes(EAGLE3, torch.device("meta"), torch.bfloat16) == tree_defaults.NODES[EAGLE3]   # not the CPU's
+    # an fp32 target's verify does not run the bf16 GEMM loop: whether this process loaded the kernels (another
+    # engine, a test) must not change its trees
+    assert default_nodes(EAGLE3, torch.device("cpu"), torch.float32) == tree_defaults.NODES[EAGLE3]
 
 
 def test_a_proposer_verifies_the_machines_default_unless_the_request_names_a_count(spec_engine_dir):
@@ -26,5 +29,5 @@ def test_a_proposer_verifies_the_machines_default_unless_the_request_names_a_cou
 
     engine = Engine.load(spec_engine_dir)   # its own load: the default follows the loop chosen when it loads
     proposer = engine.proposers[EAGLE3]
-    assert proposer.max_tree_tokens() == default_nodes(EAGLE3, engine.device)
+    assert proposer.max_tree_tokens() == default_nodes(EAGLE3, engine.device, engine.target.dtype)
     assert proposer.for_spec(SpecConfig(tree=TreeConfig(total_tokens=3))).max_tree_tokens() == 3

@@ -19,8 +19,9 @@ class SuffixProposer(Proposer):
     free = True
     tree = SuffixTreeConfig()   # the request's shape: see for_spec
 
-    def __init__(self, device: torch.device) -> None:
-        self.default_nodes = default_nodes(self.name, device)
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        """For a target verifying in `dtype` on `device` (its default node count: runtime.tree_defaults)."""
+        self.default_nodes = default_nodes(self.name, device, dtype)
         self.index = SuffixIndex()
 
     def for_spec(self, spec: SpecConfig) -> "SuffixProposer":

@@ -11,7 +11,7 @@ where a verified node stops being nearly free.
   step's GEMM time (SmolLM2's linears: 10.8 ms at 1 and 2 rows, 12.4-12.8 at 3, 14.2 at 4, 15.6 at 6): 4 nodes for
   every drafter. The suffix drafter's 4 follows the learned drafters' (its rows cost what theirs do; not measured
   apart).
-- The torch path and other devices take this default too.
+- The torch path, fp32 targets and other devices take this default too.
 
 The comparisons behind these counts: docs/measurements.md, "Default node counts".
 """
@@ -37,7 +37,8 @@ def gemm_kind() -> str | None:
     return AVX2_FMA if gemm == "fma" and kernels.loaded_isa() == "avx2" else gemm
 
 
-def default_nodes(drafter: str, device: torch.device) -> int:
-    """Nodes (root included) that `drafter`'s tree verifies by default on `device` with this process's GEMM loop."""
-    gemm = gemm_kind() if device.type == "cpu" else None
+def default_nodes(drafter: str, device: torch.device, dtype: torch.dtype) -> int:
+    """Nodes (root included) that `drafter`'s tree verifies by default for a target of `dtype` on `device`: by this
+    process's GEMM loop where the verify runs on it (bf16 on the CPU), else NODES."""
+    gemm = gemm_kind() if device.type == "cpu" and dtype == torch.bfloat16 else None
     return NODES_BY_GEMM.get(gemm, {}).get(drafter, NODES[drafter])
