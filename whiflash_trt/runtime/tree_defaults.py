@@ -9,8 +9,7 @@ where a verified node stops being nearly free.
   (kernels/linear_bf16.cpp), but trees that small lose more tau than round time.
 - The FMA loop on AVX2 (8 lanes) is compute-bound from 3 rows: each row past the second adds 0.1-0.15x a decode
   step's GEMM time (SmolLM2's linears: 10.8 ms at 1 and 2 rows, 12.4-12.8 at 3, 14.2 at 4, 15.6 at 6): 4 nodes for
-  every drafter. The suffix drafter's 4 follows the learned drafters' (its rows cost what theirs do; not measured
-  apart).
+  every drafter (the suffix drafter too: 4 beat 3 and 6 on the copy-heavy prompts).
 - The torch path, fp32 targets and other devices take this default too.
 
 The comparisons behind these counts: docs/measurements.md, "Default node counts".
