@@ -6,17 +6,12 @@ from __future__ import annotations
 import argparse
 
 from whiflash_trt.config import DFLASH, EAGLE3, SUFFIX, DFlashTreeConfig, SuffixTreeConfig, TreeConfig
+from whiflash_trt.runtime.plan import DFLASH_TREE, EAGLE3_TREE, SUFFIX_TREE
 from whiflash_trt.runtime.tree_defaults import DEFAULT_NODES_HELP
 
-# SpecConfig field -> (config class, {its field: the option's dest})
-TREE_OPTIONS = {
-    "tree": (TreeConfig, {"top_k": "tree_top_k", "depth": "tree_depth", "total_tokens": "tree_total_tokens",
-                          "min_prob": "tree_min_prob"}),
-    "dflash_tree": (DFlashTreeConfig, {"total_tokens": "dflash_tree_total_tokens", "top_k": "dflash_tree_top_k",
-                                       "min_prob": "dflash_tree_min_prob"}),
-    "suffix_tree": (SuffixTreeConfig, {"total_tokens": "suffix_tree_total_tokens",
-                                       "min_prob": "suffix_tree_min_prob", "factor": "suffix_tree_factor"}),
-}
+# SpecConfig field -> its config class and the neutral names (runtime.plan) of its settings: "<field>_<setting>"
+TREE_OPTIONS = {"tree": (TreeConfig, EAGLE3_TREE), "dflash_tree": (DFlashTreeConfig, DFLASH_TREE),
+                "suffix_tree": (SuffixTreeConfig, SUFFIX_TREE)}
 
 
 def add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -51,7 +46,7 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
 def tree_settings(args: argparse.Namespace) -> dict:
     """SpecConfig's tree fields from add_tree_options's options, the ones left out at their defaults."""
     settings = {}
-    for field, (config, dests) in TREE_OPTIONS.items():
-        given = {name: getattr(args, dest) for name, dest in dests.items() if getattr(args, dest) is not None}
+    for field, (config, params) in TREE_OPTIONS.items():
+        given = {p.removeprefix(field + "_"): getattr(args, p) for p in params if getattr(args, p) is not None}
         settings[field] = config(**given)
     return settings
