@@ -48,11 +48,11 @@ def main() -> None:
         for (n, k), w in zip(SHAPES, fp32):
             F.linear(xs[rows][k].float(), w)
 
-    names = ("kernel",) if args.no_torch else ("kernel", "torch")
-    runs = {(name, rows): [] for name in names for rows in row_counts}
+    timed = {"kernel": kernel} if args.no_torch else {"kernel": kernel, "torch": reference}
+    runs = {(name, rows): [] for name in timed for rows in row_counts}
     for _ in range(args.turns):
         for rows in row_counts:
-            for name, fn in (("kernel", kernel), ("torch", reference))[:len(names)]:
+            for name, fn in timed.items():
                 start = time.perf_counter()
                 fn(rows)
                 runs[name, rows].append(time.perf_counter() - start)
