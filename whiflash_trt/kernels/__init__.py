@@ -4,7 +4,8 @@ engine directory carries one), and loaded once per process:
   widened pairs on every build; VDPBF16PS and AMX tiles where the CPU has AVX-512 BF16 and AMX-BF16): `load` gives
   the process the fastest one on this CPU (choose_gemm); linear_norm_bf16 takes int8 weights quantised per output
   row too (pack_int8: DFlash's layers and both drafters' KV-only prefills, where int8_layers_pay), and linear_i8
-  runs them in a loop for few rows (the drafters' LM heads, EAGLE-3's layers);
+  runs them in a loop for few rows (the drafters' LM heads, EAGLE-3's layers); both take a GGUF file's own Q4_0,
+  Q4_1 and Q8_0 blocks too (ggml_gemm.h: a native engine's target);
 - linear_fp32.cpp: the same for fp32 engines (MKL's fp32 GEMM sums a row by the row count);
 - logits.cpp: reductions over a vocabulary that every round runs: each row's argmax (greedy verification), the
   entropy and top-2 margin of a bonus position (the route signal), and each row's top k (the drafters' trees);
@@ -35,15 +36,18 @@ CPU, each runs its torch formulation.
 """
 from whiflash_trt.kernels.build import DEFAULT_CACHE, LIBRARY, KernelBuildError, can_build
 from whiflash_trt.kernels.cpu import ISA_ENV, ISAS, cpu_supported, cpuinfo, isa
-from whiflash_trt.kernels.ops import (BLOCK, C_SHIMS, GEMM_ENV, GEMM_VARIANTS, argmax_rows, available_gemms,
-                                      c_shims, choose_gemm, ensure_loaded, entropy_margin, gemm,
+from whiflash_trt.kernels.ops import (BLOCK, C_SHIMS, GEMM_ENV, GEMM_VARIANTS, GGML_BLOCK_BYTES, argmax_rows,
+                                      available_gemms, c_shims, choose_gemm, ensure_loaded, entropy_margin, gemm,
+                                      ggml_blocks, ggml_gate_up, pack_ggml,
                                       int8_layers_pay, kv_prefill, linear, linear_norm, load, loaded_isa,
                                       measure_gemm, pack_gate_up, pack_int8, pack_weight, paged_attention,
                                       registered, report_unavailable, set_gemm, supports, swiglu, topk_rows)
 
-__all__ = ["BLOCK", "C_SHIMS", "DEFAULT_CACHE", "GEMM_ENV", "GEMM_VARIANTS", "ISAS", "ISA_ENV", "LIBRARY",
+__all__ = ["BLOCK", "C_SHIMS", "DEFAULT_CACHE", "GEMM_ENV", "GEMM_VARIANTS", "GGML_BLOCK_BYTES", "ISAS", "ISA_ENV", "LIBRARY",
            "KernelBuildError", "argmax_rows", "available_gemms", "c_shims", "can_build", "choose_gemm",
-           "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "int8_layers_pay",
+           "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "ggml_blocks", "ggml_gate_up",
+           "int8_layers_pay",
            "isa", "kv_prefill", "linear", "linear_norm", "load", "loaded_isa", "measure_gemm",
-           "pack_gate_up", "pack_int8", "pack_weight", "paged_attention", "registered", "report_unavailable",
+           "pack_gate_up", "pack_ggml", "pack_int8", "pack_weight", "paged_attention", "registered",
+           "report_unavailable",
            "set_gemm", "supports", "swiglu", "topk_rows"]

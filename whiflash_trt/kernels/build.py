@@ -21,7 +21,7 @@ from whiflash_trt.kernels import cpu
 
 HERE = Path(__file__).parent
 COMMON_SOURCES = ("linear_bf16.cpp", "linear_fp32.cpp", "paged_attention.cpp", "logits.cpp", "kv_prefill.cpp")
-HEADERS = ("simd.h", "gemm_blocks.h", "amx.h", "attention.h", "rows.h", "aoti_shim.h")
+HEADERS = ("simd.h", "gemm_blocks.h", "ggml_gemm.h", "amx.h", "attention.h", "rows.h", "aoti_shim.h")
 DEFAULT_CACHE = Path.home() / ".cache" / "whiflash-trt" / "kernels"
 LIBRARY = "whiflash_kernels.so"
 # -ffp-contract=off: a product and a sum written apart are rounded apart, as torch's ops round them (simd.h)

@@ -57,6 +57,7 @@
 #include "amx.h"
 #include "aoti_shim.h"
 #include "gemm_blocks.h"
+#include "ggml_gemm.h"
 #include "rows.h"
 
 namespace {
@@ -79,11 +80,14 @@ constexpr int pass_vecs(int rows) {
   return vecs;
 }
 
-// A packed weight as the loops read it: bf16 pairs (kernels.pack_weight: [N/64, K/2, 64] int32) or int8 rows and
-// their scales (kernels.pack_int8: [N/64, K + 4, 64] int8, see i8_rows)
+// A packed weight as the loops read it: bf16 pairs (kernels.pack_weight: [N/64, K/2, 64] int32), int8 rows and
+// their scales (kernels.pack_int8: [N/64, K + 4, 64] int8, see i8_rows) or a GGUF file's blocks (kernels.pack_ggml:
+// [N/8, K/32, bytes] uint8, ggml_gemm.h)
 struct Weight {
   const int32_t* pairs = nullptr;
   const int8_t* q = nullptr;
+  const uint8_t* ggml = nullptr;
+  int ggml_type = -1;
   int64_t k = 0;   // in_features
 
   bool int8() const { return q != nullptr; }
@@ -500,17 +504,31 @@ void check_columns(const at::Tensor& packed, int64_t columns, const char* op) {
               ": out_features does not match the packed weight");
 }
 
-// The weight of a call, checked against x's K and the outputs: bf16 pairs (kernels.pack_weight) or, where the op
-// takes them, int8 rows (kernels.pack_int8); `packed` contiguous, and kept alive while the weight is read
+// The weight of a call, checked against x's K and the outputs: bf16 pairs (kernels.pack_weight), a GGUF file's
+// blocks (kernels.pack_ggml) or, where the op takes them, int8 rows (kernels.pack_int8); `packed` contiguous, and
+// kept alive while the weight is read
 Weight packed_weight(const at::Tensor& packed, int64_t in_features, int64_t columns, bool int8_ok, const char* op) {
+  Weight w;
+  if (packed.scalar_type() == at::kByte) {
+    w.ggml_type = packed.dim() == 3 ? whiflash::ggml_packed_type(packed.size(2)) : -1;
+    TORCH_CHECK(w.ggml_type >= 0, op, ": a GGML weight must be [N/8, K/32, 144 | 160 | 272] uint8 (Q4_0 | Q4_1 | "
+                "Q8_0, kernels.pack_ggml)");
+    w.k = packed.size(1) * whiflash::kGgmlBlock;
+    TORCH_CHECK(in_features == w.k, op, ": x has ", in_features, " features, the weight ", w.k);
+    const int64_t groups = packed.size(0), group = whiflash::kGgmlGroup;
+    TORCH_CHECK(columns > (groups - 1) * group && columns <= groups * group, op,
+                ": out_features does not match the GGML weight");
+    w.ggml = packed.data_ptr<uint8_t>();
+    return w;
+  }
   const bool int8 = int8_ok && packed.scalar_type() == at::kChar;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && (int8 || packed.scalar_type() == at::kInt), op,
               ": packed must be [N/64, K/2, 64] int32 (kernels.pack_weight)",
-              int8_ok ? " or [N/64, K + 4, 64] int8 (kernels.pack_int8)" : "");
+              int8_ok ? " or [N/64, K + 4, 64] int8 (kernels.pack_int8)" : "",
+              " or [N/8, K/32, bytes] uint8 (kernels.pack_ggml)");
   const int64_t k = int8 ? packed.size(1) - kScaleRows : 2 * packed.size(1);
   TORCH_CHECK(in_features == k, op, ": x has ", in_features, " features, the weight ", k);
   check_columns(packed, columns, op);
-  Weight w;
   w.k = k;
   if (int8) w.q = packed.data_ptr<int8_t>();
   else w.pairs = packed.data_ptr<int32_t>();
@@ -531,6 +549,7 @@ void i8_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, uint
 // The FMA and DOT loops (or the int8 one): y [rows, columns] = x W^T (+ bias), x [rows, ldx] bf16
 void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, const float* bias, uint16_t* y,
                int64_t columns, bool dot) {
+  if (w.ggml) return whiflash::ggml_gemm(x, ldx, rows, w.ggml, w.ggml_type, w.k, bias, y, columns);
   if (w.int8()) return i8_gemm(x, ldx, rows, w, y, columns);
   // FMA: x widened to fp32 here (exact), not by aten: a dispatch and an allocation per call cost ~2.5 us, 121 calls
   // a step. DOT reads the bf16 pairs as they are.
@@ -554,13 +573,14 @@ void loop_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, co
 
 // y [rows, out_features] = x W^T (+ bias) on the process's loop, with what f folds in; x [rows, ldx] bf16. The AMX
 // loop folds it into its threads' passes; the others normalise the rows once, run the GEMM, then SwiGLU over its
-// [gate | up] blocks. An int8 weight runs the AMX loop too (amx_block's Int8), else the int8 one (i8_rows).
+// [gate | up] blocks. An int8 weight runs the AMX loop too (amx_block's Int8), else the int8 one (i8_rows); a GGML
+// weight runs ggml_gemm.h on every loop.
 void gemm(const uint16_t* x, int64_t ldx, int64_t rows, const Weight& w, const float* bias, uint16_t* y,
           int64_t out_features, const Fused& f) {
   const int64_t columns = f.silu ? 2 * out_features : out_features;
   const int64_t variant = g_variant.load(std::memory_order_relaxed);
 #if defined(__AMX_TILE__)
-  if (variant == kAmx && amx_supported(w.k / 2)) return amx_linear(x, ldx, rows, w, bias, y, out_features, f);
+  if (variant == kAmx && !w.ggml && amx_supported(w.k / 2)) return amx_linear(x, ldx, rows, w, bias, y, out_features, f);
 #endif
   std::vector<uint16_t> normed(f.norm ? rows * ldx : 0);
   if (f.norm) whiflash::normalize_rows(x, f.delta, f.norm, f.eps, 0, rows, ldx, f.h, 0, rows, normed.data());

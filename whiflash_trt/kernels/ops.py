@@ -249,9 +249,57 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, scales], 1).contiguous()
 
 
+# A GGUF file's block types the kernels compute from, and the bytes of one block of 32 inputs (ggml_gemm.h)
+GGML_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def ggml_blocks(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """A GGUF tensor's bytes [N, K/32 * block bytes] uint8 of type `kind` -> the weight linear and linear_norm take:
+    [N, K/32, block bytes], each row the blocks of one output (ggml's own layout; nothing is repacked)."""
+    if kind not in GGML_BLOCK_BYTES:
+        raise ValueError(f"the kernels compute from {', '.join(GGML_BLOCK_BYTES)} blocks, not {kind}")
+    size = GGML_BLOCK_BYTES[kind]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % size:
+        raise ValueError(f"a {kind} tensor is [N, K/32 * {size}] uint8, got {raw.dtype} {list(raw.shape)}")
+    return raw.contiguous().view(raw.shape[0], -1, size)
+
+
+def ggml_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU's gate and up GGML weights (ggml_blocks, one type) as linear_norm(silu=True) takes them: the rows of
+    each 64 outputs 32 of gate, then the same 32 of up, as pack_gate_up orders a bf16 weight's."""
+    if gate.shape != up.shape or gate.shape[0] % 32:
+        raise ValueError("gate and up must be GGML weights of one shape, their rows a multiple of 32")
+    return torch.stack([gate.view(-1, 32, *gate.shape[1:]), up.view(-1, 32, *up.shape[1:])], 1).reshape(
+        -1, *gate.shape[1:]).contiguous()
+
+
+def pack_ggml(blocks: torch.Tensor) -> torch.Tensor:
+    """A GGML weight (ggml_blocks: [N, K/32, block bytes]) -> [ceil(N/8), K/32, group bytes] uint8 for linear and
+    linear_norm (ggml_gemm.h): per 8 outputs and block, their 8 fp16 d (Q4_1: then their 8 m), then the quants in 8
+    steps of 4 inputs, a step 8 outputs x 4 inputs (Q4: steps s and s + 4 in the low and high nibbles of one 32 bytes;
+    zero rows pad N)."""
+    size = blocks.shape[2]
+    kind = next((k for k, b in GGML_BLOCK_BYTES.items() if b == size), None)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or kind is None:
+        raise ValueError("pack_ggml takes ggml_blocks' [N, K/32, 18 | 20 | 34] uint8")
+    n, nblocks = blocks.shape[:2]
+    padded = F.pad(blocks, (0, 0, 0, 0, 0, -n % 8)).view(-1, 8, nblocks, size).transpose(1, 2)   # [G, B, 8, size]
+    scales = 4 if kind == "Q4_1" else 2
+    head = padded[..., :scales].reshape(*padded.shape[:2], 8, scales // 2, 2).transpose(2, 3).reshape(
+        *padded.shape[:2], 8 * scales)   # the 8 d, then the 8 m
+    qs = padded[..., scales:]
+    if kind != "Q8_0":   # byte i: input i low, input i + 16 high
+        qs = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    steps = qs.reshape(*qs.shape[:3], 8, 4).transpose(2, 3).reshape(*qs.shape[:2], 8, 32)   # [G, B, step, 8 x 4]
+    if kind != "Q8_0":
+        steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
+    return torch.cat([head, steps.reshape(*steps.shape[:2], -1)], dim=-1).contiguous()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
            many_rows: bool = False) -> torch.Tensor:
-    """x [M, K] -> [M, out_features] in x's dtype (bf16 over a packed bf16 or int8 weight, fp32 over an fp32 one);
+    """x [M, K] -> [M, out_features] in x's dtype (bf16 over a packed bf16, int8 or GGML weight, fp32 over an fp32
+    one);
     bias fp32 or None (none with an int8 weight). An int8 weight runs linear_i8, the int8 loop that is fastest for
     the few rows of an LM head on every CPU, or, `many_rows` (a drafter's layers), the process's GEMM loop
     (linear_norm without a norm: AMX tiles where that is the loop). Either way a row does not depend on the call."""
