@@ -2,6 +2,8 @@
 
     ENGINE/manifest.json      format version, architecture, dtype, captured layers, KV layout, sources, options
     ENGINE/target.safetensors the target's weights (our module names) in the engine dtype
+    ENGINE/target-native.safetensors  --weights native: the target's linears in their GGUF blocks (uint8 [N, K/32,
+                              block bytes], kernels.ggml_blocks), listed under "native"
     ENGINE/tokenizer/         tokenizer.json + tokenizer_config.json (chat template)
     ENGINE/eagle3/, dflash/   drafter checkpoints (public formats), listed under "components"
     ENGINE/router.safetensors neural router weights, listed under "components"
@@ -28,6 +30,7 @@ from whiflash_trt.errors import CheckpointError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TARGET_WEIGHTS = "target.safetensors"
+NATIVE_WEIGHTS = "target-native.safetensors"
 TOKENIZER_DIR = "tokenizer"
 ONNX_DIR = "onnx"
 TENSORRT_DIR = "tensorrt"
@@ -35,7 +38,7 @@ KERNELS_DIR = "kernels"
 COMPILED_DIR = "compiled"
 ROUTER_WEIGHTS = "router.safetensors"
 # The sections whose "path" entries (at any depth) name files of the engine, relative to its directory.
-PATH_SECTIONS = ("components", "onnx", "tensorrt", "kernels", "compiled")
+PATH_SECTIONS = ("components", "onnx", "tensorrt", "kernels", "compiled", "native")
 
 
 @dataclass(frozen=True)
@@ -52,18 +55,20 @@ class Manifest:
     tensorrt: dict[str, Any] = field(default_factory=dict)
     kernels: dict[str, Any] = field(default_factory=dict)     # "path", "version" of the kernel library
     compiled: dict[str, Any] = field(default_factory=dict)    # "target": its package ("path", "capture_layers")
+    native: dict[str, Any] = field(default_factory=dict)      # "path", "types": the GGUF blocks of the linears
     written_files: tuple[str, ...] | None = None   # None: an engine built before the builder recorded its files
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
         sections = (("onnx", self.onnx), ("tensorrt", self.tensorrt), ("kernels", self.kernels),
-                    ("compiled", self.compiled))
+                    ("compiled", self.compiled), ("native", self.native))
         backends = {k: v for k, v in sections if v}
         written = {} if self.written_files is None else {"written_files": list(self.written_files)}
         return json.dumps({
             "format_version": self.format_version,
             "architecture": self.model.architecture,
             "dtype": self.dtype,
+            "weights": self.weights,
             "model_config": self.model.to_dict(),
             "capture_layers": list(self.capture_layers),
             "kv_layout": {"block_size": self.block_size, "pools": list(self.kv_pools),
@@ -73,6 +78,11 @@ class Manifest:
             "components": self.components,
             "files": {"target_weights": TARGET_WEIGHTS, "tokenizer": TOKENIZER_DIR},
         } | backends | written, indent=2)
+
+    @property
+    def weights(self) -> str:
+        """What the target's linears compute from: "native" (its GGUF blocks) or the engine dtype."""
+        return "native" if self.native else self.dtype
 
     def write(self, engine_dir: Path) -> None:
         (engine_dir / MANIFEST).write_text(self.to_json() + "\n")
@@ -97,7 +107,7 @@ class Manifest:
                        kv_pools=tuple(d["kv_layout"]["pools"]), source=d["source"],
                        build_options=d["build_options"], components=d.get("components", {}),
                        onnx=d.get("onnx", {}), tensorrt=d.get("tensorrt", {}), kernels=d.get("kernels", {}),
-                       compiled=d.get("compiled", {}),
+                       compiled=d.get("compiled", {}), native=d.get("native", {}),
                        written_files=None if written is None else tuple(written),
                        format_version=version)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:

@@ -20,12 +20,15 @@ from whiflash_trt.errors import WhiflashError
 from whiflash_trt.config import (AUTO, BACKENDS, DFLASH, EAGLE3, GRAPH_BACKENDS, CacheConfig, dtype_name,
                                  parse_dtype)
 from whiflash_trt.builder.output_dir import check_output, install, staging_dir, written_files
-from whiflash_trt.manifest import (COMPILED_DIR, KERNELS_DIR, ONNX_DIR, ROUTER_WEIGHTS, TARGET_WEIGHTS,
-                                   TOKENIZER_DIR, Manifest, file_sha256)
+from whiflash_trt.manifest import (COMPILED_DIR, KERNELS_DIR, NATIVE_WEIGHTS, ONNX_DIR, ROUTER_WEIGHTS,
+                                   TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256)
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.runtime.kv_cache import kv_layouts
 from whiflash_trt.spec.router_file import load_router
+
+
+NATIVE = "native"
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class BuildOptions:
     target: str
     output: Path
     dtype: str = "bf16"
+    # what the target's linears compute from: "native" (a GGUF's own Q4_0/Q4_1/Q8_0 blocks, on the kernels; bf16
+    # activations) or dense weights in the engine dtype ("bf16" / "fp32"; None: the dtype's)
+    weights: str | None = None
     block_size: int = CacheConfig.block_size
     show_progress: bool = True
     ar_drafter: Path | None = None     # EAGLE-3 checkpoint folder (public format)
@@ -51,6 +57,13 @@ class BuildOptions:
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS + (AUTO,))}")
         if self.backend == "compiled" and self.dtype != "bf16":
             raise ValueError("--backend compiled needs --dtype bf16 (its GEMM kernel is bf16)")
+        if self.weights not in (None, NATIVE, "bf16", "fp32"):
+            raise ValueError(f"unknown --weights {self.weights!r}; expected native, bf16 or fp32")
+        if self.weights in ("bf16", "fp32") and self.weights != self.dtype:
+            raise ValueError(f"--weights {self.weights} are dense weights in the engine dtype, which is {self.dtype}")
+        if self.weights == NATIVE and (self.dtype != "bf16" or self.backend not in ("torch", "compiled", AUTO)):
+            raise ValueError("--weights native runs on the engine's CPU kernels: it needs --dtype bf16 and "
+                             "--backend torch or compiled")
         if self.backend == "onnx" and self.dtype == "bf16":
             raise ValueError("--backend onnx needs --dtype fp32 (onnxruntime's CPU provider has no bfloat16 "
                              "MatMul/Gemm kernels) or fp16 (GPU providers)")
@@ -110,6 +123,20 @@ def export_graphs(ckpt: Checkpoint, drafters: dict, dtype: torch.dtype, engine_d
     return section
 
 
+def add_native(ckpt: Checkpoint, engine_dir: Path) -> dict:
+    """The manifest's native section: the target's linears in their GGUF blocks (Checkpoint.native), saved as they
+    are; the count of tensors of each block type."""
+    if not ckpt.native:
+        raise WhiflashError(f"{ckpt.source} has no quantized linears to keep (--weights native): build it with "
+                            f"--weights bf16")
+    save_file(ckpt.native, str(engine_dir / NATIVE_WEIGHTS))
+    types: dict[str, int] = {}
+    for blocks in ckpt.native.values():
+        kind = next(k for k, size in kernels.GGML_BLOCK_BYTES.items() if size == blocks.shape[2])
+        types[kind] = types.get(kind, 0) + 1
+    return {"path": NATIVE_WEIGHTS, "types": dict(sorted(types.items()))}
+
+
 def add_kernels(engine_dir: Path, required: bool) -> dict:
     """The manifest's kernels section: the compiled CPU kernels copied into the engine, or, where this machine cannot
     build them, an error if `required`, else {} (and why, on stderr): the engine then runs on torch and oneDNN."""
@@ -117,8 +144,8 @@ def add_kernels(engine_dir: Path, required: bool) -> dict:
         library = kernels.build.compile_library(kernels.DEFAULT_CACHE)
     except kernels.KernelBuildError as e:
         if required:
-            raise WhiflashError(f"--backend compiled runs on the engine's CPU kernels, which cannot be built here: "
-                                f"{e}; build with --backend torch") from None
+            raise WhiflashError(f"--backend compiled and --weights native run on the engine's CPU kernels, which "
+                                f"cannot be built here: {e}; build with --backend torch --weights bf16") from None
         kernels.report_unavailable(str(e))
         return {}
     (engine_dir / KERNELS_DIR).mkdir()
@@ -188,7 +215,8 @@ def _check_inputs(opts: BuildOptions) -> None:
 def _build_options(opts: BuildOptions, backend: str, start: float) -> dict:
     """The build options the manifest records: the requested dtype, block size and components, the backend the build
     settled on, the versions that built it and the seconds since `start`, so an engine says how it was made."""
-    return {"dtype": opts.dtype, "block_size": opts.block_size, "backend": backend,
+    return {"dtype": opts.dtype, "weights": opts.weights or opts.dtype, "block_size": opts.block_size,
+            "backend": backend,
             "ar_drafter": str(opts.ar_drafter) if opts.ar_drafter else None,
             "dllm_drafter": str(opts.dllm_drafter) if opts.dllm_drafter else None,
             "router": str(opts.router) if opts.router else None,
@@ -208,7 +236,8 @@ def build_engine(opts: BuildOptions) -> Path:
     source = resolve_target(opts.target)
     start = time.perf_counter()
     progress = (lambda it: tqdm(it, desc="dequantising", unit="tensor")) if opts.show_progress else None
-    ckpt = load_checkpoint(source, progress=progress)
+    native = opts.weights == NATIVE
+    ckpt = load_checkpoint(source, progress=progress, native=native)
     state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source)
     dtype = parse_dtype(opts.dtype)
     tokenizer = load_tokenizer(source)
@@ -219,20 +248,20 @@ def build_engine(opts: BuildOptions) -> Path:
         save_file(tensors, str(tmp / TARGET_WEIGHTS))
         tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
         cfg = ckpt.config
+        target = Checkpoint(cfg, state, ckpt.source, ckpt.native if native else {})
+        graphs = {"native": add_native(target, tmp)} if native else {}
         components, drafters = add_components(opts, cfg, tmp)
         layouts = kv_layouts({"target": cfg, **{name: m.config for name, m in drafters.items()}}, dtype)
-        graphs = {}
         if backend in GRAPH_BACKENDS:
             graphs["onnx"] = export_graphs(Checkpoint(cfg, state, ckpt.source), drafters, dtype, tmp,
                                            opts.show_progress)
         capture_layers = tuple(sorted({i for c in components.values() for i in c.get("capture_layers", ())}))
         if backend in ("torch", "compiled") and dtype == torch.bfloat16:
-            graphs["kernels"] = add_kernels(tmp, required=backend == "compiled")
+            graphs["kernels"] = add_kernels(tmp, required=backend == "compiled" or native)
         if backend == "compiled" and not graphs["kernels"]:   # auto, where the kernels did not build
             backend = "torch"
         if backend == "compiled":
-            graphs["compiled"] = add_compiled_target(Checkpoint(cfg, state, ckpt.source), capture_layers, tmp,
-                                                     drafters, opts.show_progress)
+            graphs["compiled"] = add_compiled_target(target, capture_layers, tmp, drafters, opts.show_progress)
         if backend == "tensorrt":
             graphs["tensorrt"] = build_tensorrt_engines(tmp, graphs["onnx"], cfg.max_position_embeddings,
                                                         opts.block_size, opts.show_progress)

@@ -91,12 +91,16 @@ def resolve_target(target: str) -> TargetSource:
         f"(or pointing HF_HUB_CACHE at it)")
 
 
-def load_checkpoint(source: TargetSource, progress=None):
+def load_checkpoint(source: TargetSource, progress=None, native: bool = False):
+    """`native`: a GGUF's linears in their own blocks too (Checkpoint.native); a Hugging Face folder has none."""
     from whiflash_trt.models.checkpoints import load_hf_checkpoint
     from whiflash_trt.models.gguf_checkpoint import load_gguf_checkpoint
 
     if source.kind == "gguf":
-        return load_gguf_checkpoint(source.path, progress=progress)
+        return load_gguf_checkpoint(source.path, progress=progress, native=native)
+    if native:
+        raise CheckpointError(f"--weights native keeps a GGUF file's quantized blocks; {source.path} is a Hugging Face "
+                            f"folder (build it with --weights bf16)")
     return load_hf_checkpoint(source.path)
 
 

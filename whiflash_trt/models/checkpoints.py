@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,10 +17,13 @@ from whiflash_trt.models.target import TargetModel
 
 @dataclass
 class Checkpoint:
-    """A target's config and weights under our module names (no "model." prefix), plus where they came from."""
+    """A target's config and weights under our module names (no "model." prefix), plus where they came from;
+    `native`: a GGUF's linears in their own quantized blocks (kernels.ggml_blocks), by the same names, for a native
+    engine (the state dict holds them dequantised too)."""
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
     source: str
+    native: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def read_json(path: Path) -> dict:
@@ -98,7 +101,8 @@ def validate_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], source
 def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
                        use_kernels: bool = True) -> TargetModel:
     """Build the model without a random init and load the (validated) weights in the given dtype; its linears and
-    attention on the engine's kernels where loaded, unless `use_kernels` is False (graphs for other runtimes)."""
+    attention on the engine's kernels where loaded, unless `use_kernels` is False (graphs for other runtimes), and
+    then over the checkpoint's native blocks where it has them (else over the dequantised weights)."""
     state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source)
     with torch.device("meta"):
         model = TargetModel(ckpt.config)
@@ -109,4 +113,6 @@ def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.devic
     model.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope).to(device)
     model.requires_grad_(False).eval()
     model.fuse_projections(use_kernels)
+    if ckpt.native and use_kernels and model.kernel_attention:
+        model.use_native(ckpt.native)
     return model

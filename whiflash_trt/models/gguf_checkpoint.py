@@ -1,7 +1,9 @@
-"""Llama-architecture GGUF files (llama.cpp) dequantised to float tensors under our module names.
+"""Llama-architecture GGUF files (llama.cpp) dequantised to float tensors under our module names, and, for a native
+engine, the linears' own quantized blocks beside them.
 
 llama.cpp's converter permutes the rows of q_proj and k_proj (interleaved rotary halves); we undo it so the weights
-use the rotate-half convention of the Hugging Face checkpoints and of our attention.
+use the rotate-half convention of the Hugging Face checkpoints and of our attention (in the blocks too: a row's
+blocks are that row's).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_FLOAT_WEIGHTS = ("norm.weight",)   # tensors that stay float in a native engine (the layers' norms are F32 anyway)
 
 
 def _field(reader, key: str, default=None):
@@ -68,8 +71,23 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     )
 
 
-def load_gguf_checkpoint(path: str | Path, progress=None) -> Checkpoint:
-    """Read and dequantise every tensor; `progress` wraps the tensor iterator (e.g. tqdm)."""
+def native_blocks(t, name: str) -> torch.Tensor | None:
+    """A linear's blocks as the kernels read them (kernels.ggml_blocks), None for a float tensor (a norm); a
+    quantization the kernels do not compute from is refused in one line naming it."""
+    from whiflash_trt.kernels import GGML_BLOCK_BYTES, ggml_blocks
+
+    kind = t.tensor_type.name
+    if kind in ("F32", "F16", "BF16"):
+        return None
+    if kind not in GGML_BLOCK_BYTES:
+        raise CheckpointError(f"{name} is {kind}: native weights compute from {', '.join(GGML_BLOCK_BYTES)} blocks "
+                              f"only; build with --weights bf16")
+    return ggml_blocks(torch.from_numpy(np.array(t.data)), kind)   # a writable copy
+
+
+def load_gguf_checkpoint(path: str | Path, progress=None, native: bool = False) -> Checkpoint:
+    """Read and dequantise every tensor; `progress` wraps the tensor iterator (e.g. tqdm). `native`: the linears'
+    quantized blocks too (Checkpoint.native; the token embedding's for a tied LM head)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -86,6 +104,7 @@ def load_gguf_checkpoint(path: str | Path, progress=None) -> Checkpoint:
     except ValueError as e:   # a value ModelConfig rejects
         raise CheckpointError(f"GGUF file {path}: {e}") from None
     state: dict[str, torch.Tensor] = {}
+    blocks: dict[str, torch.Tensor] = {}
     tensors = reader.tensors if progress is None else progress(reader.tensors)
     for t in tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
@@ -96,9 +115,11 @@ def load_gguf_checkpoint(path: str | Path, progress=None) -> Checkpoint:
         else:
             continue  # e.g. rope_freqs: recomputed from the config
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
-        if name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_kv_heads)
+        q = native_blocks(t, t.name) if native and name not in _FLOAT_WEIGHTS else None
+        heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            w, q = _unpermute(w, heads), None if q is None else _unpermute(q, heads).contiguous()
         state[name] = w
-    return Checkpoint(config=cfg, state_dict=state, source=str(path.resolve()))
+        if q is not None:
+            blocks[name] = q
+    return Checkpoint(config=cfg, state_dict=state, source=str(path.resolve()), native=blocks)

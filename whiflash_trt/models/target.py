@@ -97,10 +97,11 @@ class DecoderLayer(nn.Module):
         self.norms_in_gemms = False   # forward's kernel form: set by TargetModel.fuse_projections
 
     def on_kernels(self) -> bool:
-        """Both norms can run inside the GEMMs after them (residual_forward): bf16 weights on the kernels."""
+        """Both norms can run inside the GEMMs after them (residual_forward): bf16 or GGML weights on the kernels."""
         attn, mlp = self.self_attn, self.mlp
         return (attn.qkv is not None and attn.qkv.kernel_weight is not None and mlp.gate_up_packed is not None
-                and attn.qkv.kernel_weight.dtype == torch.int32 and self.input_layernorm.weight.dtype == torch.bfloat16)
+                and attn.qkv.kernel_weight.dtype in (torch.int32, torch.uint8)
+                and self.input_layernorm.weight.dtype == torch.bfloat16)
 
     def forward(self, h, delta, ctx: AttentionContext, layer: int):
         """The residual stream x = h + delta [T, H] (delta None: x = h) -> the (h, delta) of the layer's output. On
@@ -164,6 +165,37 @@ class TargetModel(nn.Module, Target):
         norms_in_gemms = self.kernel_attention and all(layer.on_kernels() for layer in self.layers)
         for layer in self.layers:
             layer.norms_in_gemms = norms_in_gemms
+
+    def use_native(self, blocks: dict[str, torch.Tensor]) -> None:
+        """The linears run over a GGUF file's own blocks (kernels.ggml_blocks, by weight name) in place of their
+        bf16 weights, on the kernels (after fuse_projections over them): q/k/v where all three have blocks of one
+        type, o, gate/up likewise, down and the LM head (the token embedding's blocks where the head is tied). The
+        dense weights stay for the embedding and the modules' shapes."""
+        if not self.kernel_attention:
+            raise ValueError("native weights run on the engine's kernels: load them before fuse_projections")
+
+        def same_kind(*names):
+            found = [blocks.get(n) for n in names]
+            if any(b is None for b in found) or len({b.shape[2] for b in found}) > 1:
+                return None
+            return found
+
+        for i, layer in enumerate(self.layers):
+            attn, mlp, at = layer.self_attn, layer.mlp, f"layers.{i}."
+            qkv = same_kind(*(f"{at}self_attn.{p}_proj.weight" for p in "qkv"))
+            if qkv is not None:
+                attn.qkv.kernel_weight = kernels.pack_ggml(torch.cat(qkv))
+            if (o := blocks.get(f"{at}self_attn.o_proj.weight")) is not None:
+                attn.o.kernel_weight = kernels.pack_ggml(o)
+            gate_up = same_kind(f"{at}mlp.gate_proj.weight", f"{at}mlp.up_proj.weight")
+            if gate_up is not None and mlp.gate_up_packed is not None:
+                mlp.gate_up_packed = kernels.pack_ggml(kernels.ggml_gate_up(*gate_up))
+            if (down := blocks.get(f"{at}mlp.down_proj.weight")) is not None:
+                mlp.down.kernel_weight = kernels.pack_ggml(down)
+        head = blocks.get("lm_head.weight", blocks.get("embed_tokens.weight") if self.config.tie_word_embeddings
+                          else None)
+        if head is not None:
+            self.head.kernel_weight = kernels.pack_ggml(head)
 
     def forward(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from whiflash_trt import kernels
-from whiflash_trt.config import DFLASH, EAGLE3, GRAPH_BACKENDS, parse_dtype
+from whiflash_trt.config import DFLASH, EAGLE3, GRAPH_BACKENDS, dtype_name, parse_dtype
 from whiflash_trt.errors import CheckpointError, SpecError, WhiflashError, literal
 from whiflash_trt.manifest import TARGET_WEIGHTS, TOKENIZER_DIR, Manifest
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
@@ -121,6 +122,15 @@ def compute_path(backend: str, dtype: torch.dtype, device: str) -> ComputePath:
     return ComputePath(f"compiled step, {path}" if backend == "compiled" else path, slow_bf16)
 
 
+def read_weights(path: Path, engine_dir: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"engine {engine_dir} is incomplete: {path.name} is missing")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {path}: {e} (file corrupt or truncated?)") from None
+
+
 def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
                backend: str | None = None) -> EngineParts:
     """`backend`: None = the one the engine was built for; "torch" runs the modules of any engine."""
@@ -136,18 +146,19 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
         return EngineParts(target, load_tokenizer(engine_dir), eagle3, dflash, router, manifest,
                            compute_path(backend, parse_dtype(manifest.dtype), device))
     weights = engine_dir / TARGET_WEIGHTS
-    if not weights.is_file():
-        raise CheckpointError(f"engine {engine_dir} is incomplete: {TARGET_WEIGHTS} is missing")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read {weights}: {e} (file corrupt or truncated?)") from None
+    state = read_weights(weights, engine_dir)
     torch_dtype = parse_dtype(dtype or manifest.dtype)
     if device == "cpu" and torch_dtype == torch.float16:
         raise WhiflashError("fp16 is not supported on CPU; use bf16 or fp32 (fp16 is for CUDA)")
     if device == "cpu" and torch_dtype == torch.bfloat16:
         load_engine_kernels(engine_dir, manifest)
-    target = instantiate_target(Checkpoint(manifest.model, state, str(weights)), torch_dtype, device)
+    native = read_weights(engine_dir / manifest.native["path"], engine_dir) if manifest.native else {}
+    if native and (device != "cpu" or torch_dtype != torch.bfloat16 or not kernels.registered()):
+        where = f"{device}, {dtype_name(torch_dtype)}" + ("" if kernels.registered() else ", no kernels")
+        print(f"this engine's native weights run on its CPU kernels in bf16, not here ({where}): the target runs "
+              f"its dequantised weights", file=sys.stderr)
+        native = {}
+    target = instantiate_target(Checkpoint(manifest.model, state, str(weights), native), torch_dtype, device)
     if backend == "compiled":
         target = compiled_target(engine_dir, manifest, target, torch_dtype, device)
     parts = checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],
@@ -158,4 +169,8 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
             entry, drafter = manifest.compiled.get(name), getattr(parts, name)
             if entry is not None and drafter is not None:
                 parts = dataclasses.replace(parts, **{name: wrap(drafter, engine_dir / entry["path"])})
-    return dataclasses.replace(parts, linears=compute_path(backend, torch_dtype, device))
+    path = compute_path(backend, torch_dtype, device)
+    if native:
+        path = dataclasses.replace(path, note=f"{path.note}, over the GGUF's {'/'.join(manifest.native['types'])} "
+                                              f"blocks")
+    return dataclasses.replace(parts, linears=path)
