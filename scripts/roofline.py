@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from whiflash_trt.bench.environment import cpu_model, default_engine_dir
-from whiflash_trt.bench.roofline import (interleaved_decode, measure_gemm_compute, measure_stream_rates, roofline,
-                                       verify_floor)
+from whiflash_trt.bench.roofline import (interleaved_decode, measure_gemm_compute, measure_stream_rates,
+                                       native_weight_bytes, roofline, verify_floor)
 from whiflash_trt.config import parse_dtype
 from whiflash_trt.manifest import Manifest
 from whiflash_trt.runtime.loading import load_engine_kernels
@@ -38,20 +38,24 @@ def main() -> None:
     cfg = manifest.model
     rates = measure_stream_rates(cfg.hidden_size, cfg.intermediate_size)
     dtype = parse_dtype(manifest.dtype)
-    result = roofline(cfg, dtype, args.context, rates)
+    engine = None
+    if args.decode_turns or manifest.weights == "native":
+        from whiflash_trt.runtime.engine import Engine
+        engine = Engine.load(engine_dir)
+    weights = engine and native_weight_bytes(engine)
+    result = roofline(cfg, dtype, args.context, rates, weights)
     compute = measure_gemm_compute(cfg.hidden_size)
     result["gemm_compute"] = {"gmacs": compute.gmacs, "kernel": compute.kernel, "threads": compute.threads}
-    result["verify_floor"] = verify_floor(cfg, dtype, args.context, rates, compute)
+    result["verify_floor"] = verify_floor(cfg, dtype, args.context, rates, compute, weights=weights)
     if args.decode_turns:
-        from whiflash_trt.runtime.engine import Engine
-        result["decode"] = interleaved_decode(Engine.load(engine_dir), args.context, args.decode_turns)
+        result["decode"] = interleaved_decode(engine, args.context, args.decode_turns)
     if args.json:
         print(json.dumps(result, indent=1))
         return
     b = result["bytes"]
     print(f"CPU: {cpu_model()}, {args.threads} threads")
     print(f"plain read {rates.plain_read} GB/s; " + "; ".join(f"{k} {v} GB/s" for k, v in rates.kernels.items()))
-    print(f"one step reads {b['weights'] / 1e6:.1f} MB of weights ({manifest.dtype}) + {b['kv_cache'] / 1e6:.1f} MB "
+    print(f"one step reads {b['weights'] / 1e6:.1f} MB of weights ({manifest.weights}) + {b['kv_cache'] / 1e6:.1f} MB "
           f"of KV at {args.context} tokens")
     print(f"roofline: {result['limit_ms_per_step']} ms per step = {result['limit_tokens_per_s']} tokens/s")
     print(f"GEMM compute ({compute.kernel}, {cfg.hidden_size}x{cfg.hidden_size} weight in cache, 64 rows): "

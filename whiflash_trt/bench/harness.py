@@ -192,13 +192,13 @@ def run_benchmark(opts: BenchOptions) -> dict:
 
 def _roofline(engine, opts: BenchOptions, prompt_lengths: list[int]) -> dict:
     """The decode-step limit of this machine at the run's mean context (prompt + half the new tokens)."""
-    from whiflash_trt.bench.roofline import measure_stream_rates, roofline
+    from whiflash_trt.bench.roofline import measure_stream_rates, native_weight_bytes, roofline
     from whiflash_trt.config import parse_dtype
 
     cfg = engine.target.config
     context = round(sum(prompt_lengths) / len(prompt_lengths) + opts.max_new_tokens / 2)
-    return roofline(cfg, parse_dtype(opts.dtype), context, measure_stream_rates(cfg.hidden_size,
-                                                                                   cfg.intermediate_size))
+    return roofline(cfg, parse_dtype(opts.dtype), context, measure_stream_rates(cfg.hidden_size, cfg.intermediate_size),
+                    native_weight_bytes(engine))
 
 
 def _prompt_index(prompts: list[BenchPrompt], ids: dict[str, list[int]]) -> dict:

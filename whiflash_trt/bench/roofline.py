@@ -122,14 +122,16 @@ def gemm_macs_per_row(config: ModelConfig) -> int:
     return config.num_layers * _projection_weights(config) + config.vocab_size * config.hidden_size
 
 
-def step_bytes(config: ModelConfig, dtype: torch.dtype, context: int) -> dict[str, int]:
+def step_bytes(config: ModelConfig, dtype: torch.dtype, context: int, weights: int | None = None) -> dict[str, int]:
     """Bytes one decode step must read: every weight matrix once (an untied embedding table only its one row) and
-    the K/V of `context` positions in every layer."""
+    the K/V of `context` positions in every layer. `weights`: the weights' bytes as the target reads them where
+    they are not dense in `dtype` (a native engine's GGUF blocks: TargetModel.streamed_weight_bytes)."""
     elem = torch.empty((), dtype=dtype).element_size()
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     per_layer = _projection_weights(config) + 2 * h   # and the layer's two norms
     embedding_row = 0 if config.tie_word_embeddings else h   # a tied table is the LM head, read whole anyway
-    weights = (config.num_layers * per_layer + h + config.vocab_size * h + embedding_row) * elem
+    if weights is None:
+        weights = (config.num_layers * per_layer + h + config.vocab_size * h + embedding_row) * elem
     kv_cache = 2 * config.num_layers * context * kv * elem
     return {"weights": weights, "kv_cache": kv_cache, "total": weights + kv_cache}
 
@@ -139,26 +141,36 @@ def _stream_ms(nbytes: int, rates: StreamRates) -> float:
     return nbytes / (max(rates.plain_read, rates.best_kernel) * 1e9) * 1e3
 
 
-def roofline(config: ModelConfig, dtype: torch.dtype, context: int, rates: StreamRates) -> dict:
-    """The fastest possible decode step at `context` tokens, from the best measured streaming rate."""
-    nbytes = step_bytes(config, dtype, context)
+def roofline(config: ModelConfig, dtype: torch.dtype, context: int, rates: StreamRates,
+             weights: int | None = None) -> dict:
+    """The fastest possible decode step at `context` tokens, from the best measured streaming rate (`weights`: as
+    step_bytes takes them)."""
+    nbytes = step_bytes(config, dtype, context, weights)
     ms = _stream_ms(nbytes["total"], rates)
     return {"context": context, "bytes": nbytes, "rates_gbs": asdict(rates), "limit_ms_per_step": round(ms, 2),
             "limit_tokens_per_s": round(1e3 / ms, 1)}
 
 
 def verify_floor(config: ModelConfig, dtype: torch.dtype, context: int, rates: StreamRates, compute: ComputeRate,
-                 rows: tuple[int, ...] = (1, 6, 16)) -> dict[int, dict[str, float]]:
+                 rows: tuple[int, ...] = (1, 6, 16), weights: int | None = None) -> dict[int, dict[str, float]]:
     """Per row count T: the ms a T-row step cannot beat, from its bytes at the best streaming rate ("memory_ms") and
     from T rows of GEMM multiply-adds at the measured compute rate ("compute_ms"); "floor_ms" is the larger. Only the
     GEMMs: attention, norms and the rest come on top."""
-    memory_ms = _stream_ms(step_bytes(config, dtype, context)["total"], rates)
+    memory_ms = _stream_ms(step_bytes(config, dtype, context, weights)["total"], rates)
     out = {}
     for t in rows:
         compute_ms = t * gemm_macs_per_row(config) / (compute.gmacs * 1e9) * 1e3
         out[t] = {"memory_ms": round(memory_ms, 2), "compute_ms": round(compute_ms, 2),
                   "floor_ms": round(max(memory_ms, compute_ms), 2)}
     return out
+
+
+def native_weight_bytes(engine) -> int | None:
+    """The weights' bytes of an engine whose target runs its GGUF blocks (a native engine), else None (dense)."""
+    if engine.manifest is None or engine.manifest.weights != "native":
+        return None
+    target = getattr(engine.target, "eager", engine.target)   # a compiled target's package holds the same weights
+    return target.streamed_weight_bytes()
 
 
 @torch.inference_mode()
@@ -169,7 +181,7 @@ def interleaved_decode(engine, context: int, turns: int = 15) -> dict:
     roofline."""
     if turns < 1 or context < 1:
         raise ValueError(f"interleaved_decode needs turns >= 1 and context >= 1, got {turns}, {context}")
-    nbytes = step_bytes(engine.target.config, engine.target.dtype, context)["total"]
+    nbytes = step_bytes(engine.target.config, engine.target.dtype, context, native_weight_bytes(engine))["total"]
     flat = torch.ones(BUFFER_BYTES // 4)
     prompt = [i % engine.target.config.vocab_size for i in range(1, context + 1)]
     steps, rates = [], []

@@ -197,6 +197,21 @@ class TargetModel(nn.Module, Target):
         if head is not None:
             self.head.kernel_weight = kernels.pack_ggml(head)
 
+    def streamed_weight_bytes(self) -> int:
+        """Bytes of weights one step reads once fused (fuse_projections): each projection and the LM head as its GEMM
+        reads it (the packed or GGML weight on the kernels, else the module's) and the norms; the embedding's one row
+        aside."""
+        def read(frozen: FrozenLinear) -> int:
+            return (frozen.kernel_weight if frozen.kernel_weight is not None else frozen.weight).nbytes
+
+        total = self.norm.weight.nbytes + read(self.head)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            gate_up = mlp.gate_up_packed.nbytes if mlp.gate_up_packed is not None else read(mlp.gate_up)
+            total += read(attn.qkv) + read(attn.o) + gate_up + read(mlp.down)
+            total += layer.input_layernorm.weight.nbytes + layer.post_attention_layernorm.weight.nbytes
+        return total
+
     def forward(
         self,
         input_ids: torch.Tensor,        # [T]
