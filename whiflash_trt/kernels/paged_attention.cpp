@@ -11,11 +11,11 @@
 //
 // Row invariance by construction: a row's keys are cut into two runs at a point that depends on their number alone
 // (split_at); one (row, run, KV head) is computed by one thread, in a fixed order that depends only on its query and
-// its keys: scores q.k kLanes keys at a time (each key's kLanes partial lanes over head_dim, by FMAs, bf16 in an
-// AVX-512 BF16 build by VDPBF16PS; reduced by one fixed tree), the max, exp(s - max) kLanes keys at a time and their
-// sum (kLanes lanes, then a fixed reduction), then sum_j p_j v_j in key order (kLanes lanes over head_dim; in an
-// AVX-512 BF16 build, bf16 heads of a multiple of 32 dims: p rounded to bf16, as flash attention does, and keys two
-// at a time by VDPBF16PS). The two runs' sums are then merged under
+// its keys: scores q.k kLanes keys at a time (each key's kLanes partial lanes over head_dim, by FMAs in two chains,
+// the even and the odd vectors, then added; bf16 in an AVX-512 BF16 build by VDPBF16PS; reduced by one fixed tree),
+// the max, exp(s - max) kLanes keys at a time and their sum (kLanes lanes, then a fixed reduction), then sum_j p_j v_j
+// in key order (kLanes lanes over head_dim; in an AVX-512 BF16 build, bf16 heads of a multiple of 32 dims: p rounded
+// to bf16, as flash attention does, and keys two at a time by VDPBF16PS). The two runs' sums are then merged under
 // their common max. A verify row, a tree node or a row of a batched call equals the same position fed alone, bit for
 // bit (tests/test_kernels.py).
 //
@@ -73,10 +73,12 @@ void weigh_values(const float* p, int64_t ld, const T* v_pool, int64_t slot_stri
   Vec acc[G][Vecs];
   for (int h = 0; h < G; ++h)
     for (int i = 0; i < Vecs; ++i) acc[h][i] = Vec::zero();
+  const bool full = dim == Vecs * kLanes;
   for (int64_t j = 0; j < keys; ++j) {
     const T* v = v_pool + slots[j] * slot_stride;
     Vec vv[Vecs];
-    for (int i = 0; i < Vecs; ++i) vv[i] = Vec::load(v + kLanes * i, dim - kLanes * i);
+    for (int i = 0; i < Vecs; ++i)
+      vv[i] = full ? Vec::load(v + kLanes * i) : Vec::load(v + kLanes * i, dim - kLanes * i);
     for (int h = 0; h < G; ++h) {
       const Vec w = Vec::all(p[h * ld + j]);
       for (int i = 0; i < Vecs; ++i) acc[h][i] = fma(w, vv[i], acc[h][i]);
@@ -154,13 +156,26 @@ template <typename T, int Vecs>
 struct Query {
   Vec q[Vecs];
   int64_t dim;
-  Query(const T* p, int64_t dim) : dim(dim) {
+  bool full;   // head_dim is Vecs whole vectors: loads without a tail
+  Query(const T* p, int64_t dim) : dim(dim), full(dim == Vecs * kLanes) {
     for (int i = 0; i < Vecs; ++i) q[i] = Vec::load(p + kLanes * i, dim - kLanes * i);
   }
+  // the even vectors' products into one accumulator and the odd ones' into another, then their sum: two chains of
+  // FMAs in flight, not one
   Vec dot(const T* k) const {
-    Vec acc = Vec::zero();
-    for (int i = 0; i < Vecs; ++i) acc = fma(q[i], Vec::load(k + kLanes * i, dim - kLanes * i), acc);
-    return acc;
+    Vec even = Vec::zero(), odd = Vec::zero();
+    if (full) {
+      for (int i = 0; i < Vecs; i += 2) {
+        even = fma(q[i], Vec::load(k + kLanes * i), even);
+        if (i + 1 < Vecs) odd = fma(q[i + 1], Vec::load(k + kLanes * (i + 1)), odd);
+      }
+    } else {
+      for (int i = 0; i < Vecs; i += 2) {
+        even = fma(q[i], Vec::load(k + kLanes * i, dim - kLanes * i), even);
+        if (i + 1 < Vecs) odd = fma(q[i + 1], Vec::load(k + kLanes * (i + 1), dim - kLanes * (i + 1)), odd);
+      }
+    }
+    return even + odd;
   }
 };
 
