@@ -58,7 +58,7 @@ def engine_info(engine_dir: Path, engine, dtype: str) -> dict:
     return {
         "path": str(Path(engine_dir).resolve()),
         "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest(),
-        "built_dtype": m.dtype, "run_dtype": dtype,
+        "built_dtype": m.dtype, "run_dtype": dtype, "weights": m.weights,
         "target": m.source.get("requested"), "target_sha256": m.source.get("sha256"),
         "components": {name: c.get("sha256") for name, c in m.components.items()},
         "model": {"num_layers": m.model.num_layers, "hidden_size": m.model.hidden_size,

@@ -84,7 +84,8 @@ def _setup(r: dict) -> str:
     rows = [["command", f"`{r['command_line']}`"],
             ["engine", f"{eng['target']} ({eng['path']}), manifest sha256 `{eng['manifest_sha256'][:16]}`"],
             ["drafters", ", ".join(f"{k} `{(s or '')[:12]}`" for k, s in eng["components"].items()) or "none"],
-            ["dtype", f"{eng['run_dtype']} (built {eng['built_dtype']})"],
+            ["dtype", f"{eng['run_dtype']} (built {eng['built_dtype']}; weights "
+                      f"{eng.get('weights', eng['built_dtype'])})"],
             ["decoding", f"greedy, max {r['generation']['max_new_tokens']} new tokens, "
                          f"{r['generation']['warmup_prompts']} warm-up prompt(s) in every mode, modes interleaved "
                          f"per prompt in rotating order"],
