@@ -99,8 +99,8 @@ def load_checkpoint(source: TargetSource, progress=None, native: bool = False):
     if source.kind == "gguf":
         return load_gguf_checkpoint(source.path, progress=progress, native=native)
     if native:
-        raise CheckpointError(f"--weights native keeps a GGUF file's quantized blocks; {source.path} is a Hugging Face "
-                            f"folder (build it with --weights bf16)")
+        raise CheckpointError(f"--weights native keeps a GGUF file's quantized blocks; {source.path} is a Hugging "
+                              f"Face folder (build it with --weights bf16)")
     return load_hf_checkpoint(source.path)
 
 

@@ -299,8 +299,7 @@ def pack_ggml(blocks: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
            many_rows: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, out_features] in x's dtype (bf16 over a packed bf16, int8 or GGML weight, fp32 over an fp32
-    one);
-    bias fp32 or None (none with an int8 weight). An int8 weight runs linear_i8, the int8 loop that is fastest for
+    one); bias fp32 or None (none with an int8 weight). An int8 weight runs linear_i8, the int8 loop that is fastest for
     the few rows of an LM head on every CPU, or, `many_rows` (a drafter's layers), the process's GEMM loop
     (linear_norm without a norm: AMX tiles where that is the loop). Either way a row does not depend on the call."""
     if packed.dtype == torch.int8:

@@ -24,7 +24,6 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-_FLOAT_WEIGHTS = ("norm.weight",)   # tensors that stay float in a native engine (the layers' norms are F32 anyway)
 
 
 def _field(reader, key: str, default=None):
@@ -115,7 +114,7 @@ def load_gguf_checkpoint(path: str | Path, progress=None, native: bool = False) 
         else:
             continue  # e.g. rope_freqs: recomputed from the config
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
-        q = native_blocks(t, t.name) if native and name not in _FLOAT_WEIGHTS else None
+        q = native_blocks(t, t.name) if native else None
         heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             w, q = _unpermute(w, heads), None if q is None else _unpermute(q, heads).contiguous()
