@@ -74,7 +74,7 @@ def test_native_speculative_output_equals_its_ar_token_for_token(native_engine, 
             f"prompt {i}: {mode_args} differs from ar at token {first_difference(want['token_ids'], out['token_ids'])}")
 
 
-def test_native_weights_need_a_gguf_and_the_kernels(tmp_path, tiny_checkpoint):
+def test_native_weights_need_a_gguf_and_bf16(tmp_path, tiny_checkpoint):
     with pytest.raises(WhiflashError, match="Hugging Face folder"):
         build_engine(BuildOptions(target=str(tiny_checkpoint()), output=tmp_path / "e", weights="native",
                                   backend="torch", show_progress=False))
@@ -82,3 +82,32 @@ def test_native_weights_need_a_gguf_and_the_kernels(tmp_path, tiny_checkpoint):
         BuildOptions(target="smollm2-135m", output=tmp_path / "e", weights="native", dtype="fp32")
     with pytest.raises(ValueError, match="dense weights in the engine dtype"):
         BuildOptions(target="smollm2-135m", output=tmp_path / "e", weights="fp32", dtype="bf16")
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_1"])
+def test_a_hugging_face_target_quantised_at_build_time_runs_losslessly(tmp_path, tiny_checkpoint, tiny_drafters,
+                                                                      weights):
+    """--weights q8_0|q4_1 quantises a Hugging Face target's linears into ggml blocks (gguf's quantiser), which the
+    native path runs: every projection on the kernels' GGML GEMM, and the speculative modes' greedy output equal to
+    the engine's own ar."""
+    import torch
+
+    from whiflash_trt.config import GenerationConfig, SpecConfig
+    from whiflash_trt.runtime.engine import Engine
+
+    engine_dir = build_engine(BuildOptions(target=str(tiny_checkpoint("spec")), output=tmp_path / "e", weights=weights,
+                                           backend="torch", show_progress=False, **tiny_drafters("spec")))
+    manifest = Manifest.read(engine_dir)
+    assert manifest.weights == "native" and manifest.build_options["weights"] == weights
+    assert manifest.native["types"] == {weights.upper(): 8 * 7 + 1}
+    engine = Engine.load(engine_dir)
+    layer = engine.target.layers[0]
+    assert layer.self_attn.qkv.kernel_weight.dtype == torch.uint8 and layer.norms_in_gemms
+    gen = GenerationConfig(max_new_tokens=24)
+    prompt = engine.encode("the quick brown fox", chat=False)
+    want = engine.generate(prompt, gen, spec=SpecConfig(mode="ar")).token_ids
+    for mode in ("eagle3", "dflash", "whiflash"):
+        assert engine.generate(prompt, gen, spec=SpecConfig(mode=mode)).token_ids == want, mode
+    with pytest.raises(WhiflashError, match="a GGUF keeps its own blocks"):
+        build_engine(BuildOptions(target="smollm2-135m", output=tmp_path / "g", weights=weights, backend="torch",
+                                  show_progress=False))

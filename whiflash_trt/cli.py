@@ -43,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace the engine already in --output (a directory holding anything else is never touched)")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"],
                    help="engine dtype (default: bf16; fp32 for --backend onnx, whose CPU runtime has no bf16)")
-    p.add_argument("--weights", choices=["native", "bf16", "fp32"],
+    p.add_argument("--weights", choices=["native", "q8_0", "q4_1", "q4_0", "bf16", "fp32"],
                    help="what the target's linears compute from: native keeps a GGUF file's own Q4_0/Q4_1/Q8_0 "
                         "blocks (the engine's CPU kernels, bf16 activations; ~2.8x fewer bytes a token than bf16 for "
-                        "a Q4_1 file); bf16/fp32: dense weights in that dtype (default: the --dtype's)")
+                        "a Q4_1 file); q8_0/q4_1/q4_0 quantise a Hugging Face target's into those blocks at build "
+                        "time; bf16/fp32: dense weights in that dtype (default: the --dtype's)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="KV cache block size (tokens)")
     p.add_argument("--ar-drafter", type=Path, help="EAGLE-3 drafter (Hugging Face folder, public format)")
     p.add_argument("--dllm-drafter", type=Path, help="DFlash drafter (Hugging Face folder, public format)")

@@ -24,6 +24,7 @@ from whiflash_trt.manifest import (COMPILED_DIR, KERNELS_DIR, NATIVE_WEIGHTS, ON
                                    TARGET_WEIGHTS, TOKENIZER_DIR, Manifest, file_sha256)
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
+from whiflash_trt.models.quantize import QUANTIZED_WEIGHTS, quantize_linears
 from whiflash_trt.runtime.kv_cache import kv_layouts
 from whiflash_trt.spec.router_file import load_router
 
@@ -37,7 +38,8 @@ class BuildOptions:
     output: Path
     dtype: str = "bf16"
     # what the target's linears compute from: "native" (a GGUF's own Q4_0/Q4_1/Q8_0 blocks, on the kernels; bf16
-    # activations) or dense weights in the engine dtype ("bf16" / "fp32"; None: the dtype's)
+    # activations), "q8_0" / "q4_1" / "q4_0" (a Hugging Face target's quantised so at build time, then run as native)
+    # or dense weights in the engine dtype ("bf16" / "fp32"; None: the dtype's)
     weights: str | None = None
     block_size: int = CacheConfig.block_size
     show_progress: bool = True
@@ -57,13 +59,19 @@ class BuildOptions:
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS + (AUTO,))}")
         if self.backend == "compiled" and self.dtype != "bf16":
             raise ValueError("--backend compiled needs --dtype bf16 (its GEMM kernel is bf16)")
-        if self.weights not in (None, NATIVE, "bf16", "fp32"):
-            raise ValueError(f"unknown --weights {self.weights!r}; expected native, bf16 or fp32")
+        if self.weights not in (None, NATIVE, "bf16", "fp32", *QUANTIZED_WEIGHTS):
+            raise ValueError(f"unknown --weights {self.weights!r}; expected native, {', '.join(QUANTIZED_WEIGHTS)}, "
+                             f"bf16 or fp32")
         if self.weights in ("bf16", "fp32") and self.weights != self.dtype:
             raise ValueError(f"--weights {self.weights} are dense weights in the engine dtype, which is {self.dtype}")
-        if self.weights == NATIVE and (self.dtype != "bf16" or self.backend not in ("torch", "compiled", AUTO)):
-            raise ValueError("--weights native runs on the engine's CPU kernels: it needs --dtype bf16 and "
-                             "--backend torch or compiled")
+        if self.blocks and (self.dtype != "bf16" or self.backend not in ("torch", "compiled", AUTO)):
+            raise ValueError(f"--weights {self.weights} runs on the engine's CPU kernels: it needs --dtype bf16 and "
+                             f"--backend torch or compiled")
+
+    @property
+    def blocks(self) -> bool:
+        """The target's linears run on ggml blocks: the GGUF's own, or quantised at build time."""
+        return self.weights == NATIVE or self.weights in QUANTIZED_WEIGHTS
         if self.backend == "onnx" and self.dtype == "bf16":
             raise ValueError("--backend onnx needs --dtype fp32 (onnxruntime's CPU provider has no bfloat16 "
                              "MatMul/Gemm kernels) or fp16 (GPU providers)")
@@ -236,9 +244,14 @@ def build_engine(opts: BuildOptions) -> Path:
     source = resolve_target(opts.target)
     start = time.perf_counter()
     progress = (lambda it: tqdm(it, desc="dequantising", unit="tensor")) if opts.show_progress else None
-    native = opts.weights == NATIVE
-    ckpt = load_checkpoint(source, progress=progress, native=native)
+    native = opts.blocks
+    if opts.weights in QUANTIZED_WEIGHTS and source.kind == "gguf":
+        raise WhiflashError(f"--weights {opts.weights} quantises a Hugging Face target; a GGUF keeps its own blocks "
+                            f"(--weights native)")
+    ckpt = load_checkpoint(source, progress=progress, native=opts.weights == NATIVE)
     state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source)
+    if opts.weights in QUANTIZED_WEIGHTS:
+        ckpt = quantize_linears(Checkpoint(ckpt.config, state, ckpt.source), opts.weights)
     dtype = parse_dtype(opts.dtype)
     tokenizer = load_tokenizer(source)
 
