@@ -63,6 +63,15 @@ def test_the_manifest_and_the_run_say_the_linears_are_the_ggufs_blocks(native_en
     assert manifest.weights == "native" and manifest.native["types"] == {"Q4_1": 210, "Q8_0": 1}
     assert manifest.build_options["weights"] == "native"
     assert all("over the GGUF's Q4_1/Q8_0 blocks" in r["stats"]["compute"] for r in ar_runs)
+    import torch
+
+    from whiflash_trt.config import EAGLE3
+    from whiflash_trt.runtime.engine import Engine
+    from whiflash_trt.runtime.tree_defaults import default_nodes
+
+    engine = Engine.load(native_engine)   # its trees are sized for the native GEMM
+    assert engine.target.native
+    assert engine.proposers[EAGLE3].default_nodes == default_nodes(EAGLE3, torch.device("cpu"), torch.bfloat16, True)
 
 
 @pytest.mark.parametrize("mode_args", MODES, ids=lambda a: "-".join(a[1::2]))

@@ -135,6 +135,7 @@ class TargetModel(nn.Module, Target):
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.head: FrozenLinear | None = None  # the lm_head, set by fuse_projections
         self.kernel_attention = False          # set by fuse_projections
+        self.native = False                    # its linears run GGML blocks: set by use_native
 
     @property
     def dtype(self) -> torch.dtype:
@@ -196,6 +197,7 @@ class TargetModel(nn.Module, Target):
                           else None)
         if head is not None:
             self.head.kernel_weight = kernels.pack_ggml(head)
+        self.native = True
 
     def streamed_weight_bytes(self) -> int:
         """Bytes of weights one step reads once fused (fuse_projections): each projection and the LM head as its GEMM

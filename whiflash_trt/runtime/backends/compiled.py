@@ -45,6 +45,10 @@ class CompiledTarget(Target):
     def dtype(self) -> torch.dtype:
         return self.eager.dtype
 
+    @property
+    def native(self) -> bool:
+        return self.eager.native
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.eager.embed(input_ids)
 
