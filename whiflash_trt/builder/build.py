@@ -67,14 +67,14 @@ class BuildOptions:
         if self.blocks and (self.dtype != "bf16" or self.backend not in ("torch", "compiled", AUTO)):
             raise ValueError(f"--weights {self.weights} runs on the engine's CPU kernels: it needs --dtype bf16 and "
                              f"--backend torch or compiled")
+        if self.backend == "onnx" and self.dtype == "bf16":
+            raise ValueError("--backend onnx needs --dtype fp32 (onnxruntime's CPU provider has no bfloat16 "
+                             "MatMul/Gemm kernels) or fp16 (GPU providers)")
 
     @property
     def blocks(self) -> bool:
         """The target's linears run on ggml blocks: the GGUF's own, or quantised at build time."""
         return self.weights == NATIVE or self.weights in QUANTIZED_WEIGHTS
-        if self.backend == "onnx" and self.dtype == "bf16":
-            raise ValueError("--backend onnx needs --dtype fp32 (onnxruntime's CPU provider has no bfloat16 "
-                             "MatMul/Gemm kernels) or fp16 (GPU providers)")
 
 
 def add_components(opts: BuildOptions, cfg, engine_dir: Path) -> tuple[dict, dict]:
