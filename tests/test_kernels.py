@@ -627,6 +627,29 @@ def test_paged_attention_rows_of_a_batch_equal_each_row_alone(attention_path, ro
         assert torch.equal(alone[0], together[t]), f"row {t}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_paged_attention_short_rows_have_one_run(attention_path, dtype):
+    """Rows of fewer than split_at's 64 keys have no second run: alone (a decode step early in a sequence) and
+    together (a verify over a short context, every row's second run empty), each equals softmax attention and the
+    row fed alone."""
+    heads, kv_heads, dim = 6, 2, 64
+    lens = [1, 2, 9, 33, 63]
+    q, k, v, k_pool, v_pool = pools_and_queries(dtype, len(lens), heads, kv_heads, dim)
+    write = torch.arange(290, 290 + len(lens))
+    row_slots = torch.arange(63).repeat(len(lens), 1)
+    row_len = torch.tensor(lens)
+    together = kernels.paged_attention(q, k, v, k_pool, v_pool, 1, write, row_slots, row_len, dim ** -0.5)
+    for t, n in enumerate(lens):
+        alone = kernels.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_pool, v_pool, 1, write[t:t + 1],
+                                        row_slots[t:t + 1, :n], row_len[t:t + 1], dim ** -0.5)
+        assert torch.equal(alone[0], together[t]), f"row {t}"
+        kk = k_pool[1, :n].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        vv = v_pool[1, :n].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        p = torch.softmax((q[t].double()[:, None] * kk).sum(-1) * dim ** -0.5, -1)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        assert torch.allclose(alone[0].double(), (p[..., None] * vv).sum(1).flatten(), rtol=tol, atol=tol)
+
+
 def test_paged_attention_rows_do_not_depend_on_the_thread_count(attention_path):
     """A row's keys are cut into two runs by their number alone, never by the threads (kernel's split_at)."""
     q, k, v, k_pool, v_pool = pools_and_queries(torch.bfloat16, rows=4, dim=64)
