@@ -140,7 +140,7 @@ def add_native(ckpt: Checkpoint, engine_dir: Path) -> dict:
     save_file(ckpt.native, str(engine_dir / NATIVE_WEIGHTS))
     types: dict[str, int] = {}
     for blocks in ckpt.native.values():
-        kind = next(k for k, size in kernels.GGML_BLOCK_BYTES.items() if size == blocks.shape[2])
+        kind = kernels.ggml_kind(blocks)
         types[kind] = types.get(kind, 0) + 1
     return {"path": NATIVE_WEIGHTS, "types": dict(sorted(types.items()))}
 
