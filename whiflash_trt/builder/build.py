@@ -25,6 +25,7 @@ from whiflash_trt.manifest import (COMPILED_DIR, KERNELS_DIR, NATIVE_WEIGHTS, ON
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.models.quantize import QUANTIZED_WEIGHTS, quantize_linears
+from whiflash_trt.models.target import pack_native
 from whiflash_trt.runtime.kv_cache import kv_layouts
 from whiflash_trt.spec.router_file import load_router
 
@@ -132,17 +133,18 @@ def export_graphs(ckpt: Checkpoint, drafters: dict, dtype: torch.dtype, engine_d
 
 
 def add_native(ckpt: Checkpoint, engine_dir: Path) -> dict:
-    """The manifest's native section: the target's linears in their GGUF blocks (Checkpoint.native), saved as they
-    are; the count of tensors of each block type."""
+    """The manifest's native section: the target's linears in their GGUF blocks (Checkpoint.native), saved packed
+    for the kernels (models.target.pack_native: the same bytes on every CPU, so a load packs nothing), the layout
+    they are packed in (kernels.GGML_PACKING) and the count of GGUF tensors of each block type."""
     if not ckpt.native:
         raise WhiflashError(f"{ckpt.source} has no quantized linears to keep (--weights native): build it with "
                             f"--weights bf16")
-    save_file(ckpt.native, str(engine_dir / NATIVE_WEIGHTS))
+    save_file(pack_native(ckpt.config, ckpt.native), str(engine_dir / NATIVE_WEIGHTS))
     types: dict[str, int] = {}
     for blocks in ckpt.native.values():
         kind = kernels.ggml_kind(blocks)
         types[kind] = types.get(kind, 0) + 1
-    return {"path": NATIVE_WEIGHTS, "types": dict(sorted(types.items()))}
+    return {"path": NATIVE_WEIGHTS, "packing": kernels.GGML_PACKING, "types": dict(sorted(types.items()))}
 
 
 def add_kernels(engine_dir: Path, required: bool) -> dict:

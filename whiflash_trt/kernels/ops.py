@@ -251,6 +251,7 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
 
 # A GGUF file's block types the kernels compute from, and the bytes of one block of 32 inputs (ggml_gemm.h)
 GGML_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGML_PACKING = 1   # the layout of pack_ggml's output, which an engine stores: raised when ggml_gemm.h's changes
 
 
 def ggml_kind(blocks: torch.Tensor) -> str:
