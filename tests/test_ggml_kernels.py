@@ -128,7 +128,10 @@ def test_ggml_weights_are_checked():
     with pytest.raises(ValueError, match="uint8"):
         kernels.ggml_blocks(torch.zeros(4, 21, dtype=torch.uint8), "Q4_1")
     with pytest.raises(ValueError, match="pack_ggml takes"):
+        kernels.pack_ggml(torch.zeros(4, 2, 20, dtype=torch.int8))
+    with pytest.raises(ValueError, match="not 21"):
         kernels.pack_ggml(torch.zeros(4, 2, 21, dtype=torch.uint8))
+    assert kernels.ggml_kind(blocks) == "Q4_1"
     with pytest.raises(RuntimeError, match="features"):
         kernels.linear(torch.randn(1, 96).bfloat16(), packed, None, 64)
     with pytest.raises(RuntimeError, match="out_features"):

@@ -120,3 +120,37 @@ def test_a_hugging_face_target_quantised_at_build_time_runs_losslessly(tmp_path,
     with pytest.raises(WhiflashError, match="a GGUF keeps its own blocks"):
         build_engine(BuildOptions(target="smollm2-135m", output=tmp_path / "g", weights=weights, backend="torch",
                                   show_progress=False))
+
+
+def test_a_native_engine_reads_no_dense_linear_and_falls_back_to_them_where_its_blocks_cannot_run(
+        tmp_path, tiny_checkpoint, tiny_drafters, capfd):
+    """A native load takes the packed blocks as stored and leaves the dense linears unread (meta tensors); where the
+    blocks do not run (fp32, or blocks packed for other kernels) the target runs its dequantised weights, all of them
+    read, and its speculative output still equals its ar."""
+    import torch
+
+    from whiflash_trt.config import GenerationConfig, SpecConfig
+    from whiflash_trt.runtime.engine import Engine
+
+    engine_dir = build_engine(BuildOptions(target=str(tiny_checkpoint("spec")), output=tmp_path / "e", weights="q8_0",
+                                           backend="torch", show_progress=False, **tiny_drafters("spec")))
+    native = Engine.load(engine_dir).target
+    attn = native.layers[0].self_attn
+    assert native.native and attn.q_proj.weight.is_meta and native.layers[0].mlp.down_proj.weight.is_meta
+    assert not native.embed_tokens.weight.is_meta and not native.norm.weight.is_meta
+    capfd.readouterr()
+    for dtype, stale in (("fp32", False), (None, True)):
+        if stale:   # an engine of blocks stored before they were packed, or in another packing
+            path = engine_dir / "manifest.json"
+            manifest = json.loads(path.read_text())
+            del manifest["native"]["packing"]
+            path.write_text(json.dumps(manifest))
+        engine = Engine.load(engine_dir, dtype=dtype)
+        assert "the target runs its dequantised weights" in capfd.readouterr().err
+        target = engine.target
+        assert not target.native and not any(p.is_meta for p in target.parameters())
+        assert target.dtype == (torch.float32 if dtype else torch.bfloat16)
+        gen = GenerationConfig(max_new_tokens=16)
+        prompt = engine.encode("the quick brown fox", chat=False)
+        want = engine.generate(prompt, gen, spec=SpecConfig(mode="ar")).token_ids
+        assert engine.generate(prompt, gen, spec=SpecConfig(mode="eagle3")).token_ids == want, dtype

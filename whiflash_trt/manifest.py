@@ -2,8 +2,9 @@
 
     ENGINE/manifest.json      format version, architecture, dtype, captured layers, KV layout, sources, options
     ENGINE/target.safetensors the target's weights (our module names) in the engine dtype
-    ENGINE/target-native.safetensors  --weights native: the target's linears in their GGUF blocks (uint8 [N, K/32,
-                              block bytes], kernels.ggml_blocks), listed under "native"
+    ENGINE/target-native.safetensors  --weights native: the target's linears in their GGUF blocks, packed for the
+                              kernels (uint8, models.target.pack_native: kernels.pack_ggml by fused linear), listed
+                              under "native" with their packing (kernels.GGML_PACKING)
     ENGINE/tokenizer/         tokenizer.json + tokenizer_config.json (chat template)
     ENGINE/eagle3/, dflash/   drafter checkpoints (public formats), listed under "components"
     ENGINE/router.safetensors neural router weights, listed under "components"
@@ -55,7 +56,7 @@ class Manifest:
     tensorrt: dict[str, Any] = field(default_factory=dict)
     kernels: dict[str, Any] = field(default_factory=dict)     # "path", "version" of the kernel library
     compiled: dict[str, Any] = field(default_factory=dict)    # "target": its package ("path", "capture_layers")
-    native: dict[str, Any] = field(default_factory=dict)      # "path", "types": the GGUF blocks of the linears
+    native: dict[str, Any] = field(default_factory=dict)      # "path", "packing", "types": the linears' GGUF blocks
     written_files: tuple[str, ...] | None = None   # None: an engine built before the builder recorded its files
     format_version: int = FORMAT_VERSION
 

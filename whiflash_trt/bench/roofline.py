@@ -166,11 +166,11 @@ def verify_floor(config: ModelConfig, dtype: torch.dtype, context: int, rates: S
 
 
 def native_weight_bytes(engine) -> int | None:
-    """The weights' bytes of an engine whose target runs its GGUF blocks (a native engine), else None (dense)."""
-    if engine.manifest is None or engine.manifest.weights != "native":
+    """The weights' bytes of an engine whose target runs its GGUF blocks (a native engine), else None (dense; a
+    native engine loaded where its blocks do not run is dense too)."""
+    if not engine.target.native:
         return None
-    target = getattr(engine.target, "eager", engine.target)   # a compiled target's package holds the same weights
-    return target.streamed_weight_bytes()
+    return engine.target.streamed_weight_bytes()
 
 
 @torch.inference_mode()

@@ -25,6 +25,7 @@ from whiflash_trt.manifest import (COMPILED_DIR, KERNELS_DIR, NATIVE_WEIGHTS, ON
 from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target, validate_state_dict
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.models.quantize import QUANTIZED_WEIGHTS, quantize_linears
+from whiflash_trt.models.target import pack_native
 from whiflash_trt.runtime.kv_cache import kv_layouts
 from whiflash_trt.spec.router_file import load_router
 
@@ -132,17 +133,18 @@ def export_graphs(ckpt: Checkpoint, drafters: dict, dtype: torch.dtype, engine_d
 
 
 def add_native(ckpt: Checkpoint, engine_dir: Path) -> dict:
-    """The manifest's native section: the target's linears in their GGUF blocks (Checkpoint.native), saved as they
-    are; the count of tensors of each block type."""
+    """The manifest's native section: the target's linears in their GGUF blocks (Checkpoint.native), saved packed
+    for the kernels (models.target.pack_native: the same bytes on every CPU, so a load packs nothing), the layout
+    they are packed in (kernels.GGML_PACKING) and the count of GGUF tensors of each block type."""
     if not ckpt.native:
         raise WhiflashError(f"{ckpt.source} has no quantized linears to keep (--weights native): build it with "
                             f"--weights bf16")
-    save_file(ckpt.native, str(engine_dir / NATIVE_WEIGHTS))
+    save_file(pack_native(ckpt.config, ckpt.native), str(engine_dir / NATIVE_WEIGHTS))
     types: dict[str, int] = {}
     for blocks in ckpt.native.values():
-        kind = next(k for k, size in kernels.GGML_BLOCK_BYTES.items() if size == blocks.shape[2])
+        kind = kernels.ggml_kind(blocks)
         types[kind] = types.get(kind, 0) + 1
-    return {"path": NATIVE_WEIGHTS, "types": dict(sorted(types.items()))}
+    return {"path": NATIVE_WEIGHTS, "packing": kernels.GGML_PACKING, "types": dict(sorted(types.items()))}
 
 
 def add_kernels(engine_dir: Path, required: bool) -> dict:
@@ -232,6 +234,41 @@ def _build_options(opts: BuildOptions, backend: str, start: float) -> dict:
             "build_seconds": round(time.perf_counter() - start, 2)}
 
 
+def _load_target(opts: BuildOptions, source) -> Checkpoint:
+    """The target's checkpoint as the engine holds it: validated, its linears' blocks kept (a GGUF's, --weights
+    native) or made (--weights q8_0|q4_1|q4_0, a Hugging Face target's, quantised here)."""
+    if opts.weights in QUANTIZED_WEIGHTS and source.kind == "gguf":
+        raise WhiflashError(f"--weights {opts.weights} quantises a Hugging Face target; a GGUF keeps its own blocks "
+                            f"(--weights native)")
+    progress = (lambda it: tqdm(it, desc="dequantising", unit="tensor")) if opts.show_progress else None
+    ckpt = load_checkpoint(source, progress=progress, native=opts.weights == NATIVE)
+    state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source)
+    if opts.weights in QUANTIZED_WEIGHTS:
+        return quantize_linears(Checkpoint(ckpt.config, state, ckpt.source), opts.weights)
+    return Checkpoint(ckpt.config, state, ckpt.source, ckpt.native if opts.blocks else {})
+
+
+def _add_backend(opts: BuildOptions, backend: str, target: Checkpoint, dtype: torch.dtype, drafters: dict,
+                 capture_layers: tuple[int, ...], engine_dir: Path) -> tuple[str, dict]:
+    """The sections of what runs the engine: its graphs (onnx, tensorrt), its kernels and compiled steps ->
+    (the backend it settled on, the sections). An auto build whose kernels do not build here is a torch one."""
+    sections = {}
+    if backend in GRAPH_BACKENDS:
+        sections["onnx"] = export_graphs(Checkpoint(target.config, target.state_dict, target.source), drafters, dtype,
+                                         engine_dir, opts.show_progress)
+    if backend in ("torch", "compiled") and dtype == torch.bfloat16:
+        sections["kernels"] = add_kernels(engine_dir, required=backend == "compiled" or opts.blocks)
+    if backend == "compiled" and not sections["kernels"]:   # auto, where the kernels did not build
+        backend = "torch"
+    if backend == "compiled":
+        sections["compiled"] = add_compiled_target(target, capture_layers, engine_dir, drafters, opts.show_progress)
+    if backend == "tensorrt":
+        sections["tensorrt"] = build_tensorrt_engines(engine_dir, sections["onnx"],
+                                                      target.config.max_position_embeddings, opts.block_size,
+                                                      opts.show_progress)
+    return backend, sections
+
+
 def build_engine(opts: BuildOptions) -> Path:
     """Write the engine into a temporary sibling folder and move it in at the end: never a half-built engine, and
     never a file the builder did not write deleted (see builder.output_dir)."""
@@ -243,41 +280,19 @@ def build_engine(opts: BuildOptions) -> Path:
         import_tensorrt()   # fail at once, before any work, where TensorRT is not installed
     source = resolve_target(opts.target)
     start = time.perf_counter()
-    progress = (lambda it: tqdm(it, desc="dequantising", unit="tensor")) if opts.show_progress else None
-    native = opts.blocks
-    if opts.weights in QUANTIZED_WEIGHTS and source.kind == "gguf":
-        raise WhiflashError(f"--weights {opts.weights} quantises a Hugging Face target; a GGUF keeps its own blocks "
-                            f"(--weights native)")
-    ckpt = load_checkpoint(source, progress=progress, native=opts.weights == NATIVE)
-    state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source)
-    if opts.weights in QUANTIZED_WEIGHTS:
-        ckpt = quantize_linears(Checkpoint(ckpt.config, state, ckpt.source), opts.weights)
-    dtype = parse_dtype(opts.dtype)
+    target = _load_target(opts, source)
+    dtype, cfg = parse_dtype(opts.dtype), target.config
     tokenizer = load_tokenizer(source)
 
     tmp = staging_dir(out)
     try:
-        tensors = {k: v.to(dtype).contiguous() for k, v in state.items()}
-        save_file(tensors, str(tmp / TARGET_WEIGHTS))
+        save_file({k: v.to(dtype).contiguous() for k, v in target.state_dict.items()}, str(tmp / TARGET_WEIGHTS))
         tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-        cfg = ckpt.config
-        target = Checkpoint(cfg, state, ckpt.source, ckpt.native if native else {})
-        graphs = {"native": add_native(target, tmp)} if native else {}
+        sections = {"native": add_native(target, tmp)} if opts.blocks else {}
         components, drafters = add_components(opts, cfg, tmp)
         layouts = kv_layouts({"target": cfg, **{name: m.config for name, m in drafters.items()}}, dtype)
-        if backend in GRAPH_BACKENDS:
-            graphs["onnx"] = export_graphs(Checkpoint(cfg, state, ckpt.source), drafters, dtype, tmp,
-                                           opts.show_progress)
         capture_layers = tuple(sorted({i for c in components.values() for i in c.get("capture_layers", ())}))
-        if backend in ("torch", "compiled") and dtype == torch.bfloat16:
-            graphs["kernels"] = add_kernels(tmp, required=backend == "compiled" or native)
-        if backend == "compiled" and not graphs["kernels"]:   # auto, where the kernels did not build
-            backend = "torch"
-        if backend == "compiled":
-            graphs["compiled"] = add_compiled_target(target, capture_layers, tmp, drafters, opts.show_progress)
-        if backend == "tensorrt":
-            graphs["tensorrt"] = build_tensorrt_engines(tmp, graphs["onnx"], cfg.max_position_embeddings,
-                                                        opts.block_size, opts.show_progress)
+        backend, graphs = _add_backend(opts, backend, target, dtype, drafters, capture_layers, tmp)
         Manifest(
             model=cfg,
             dtype=dtype_name(dtype),
@@ -287,7 +302,7 @@ def build_engine(opts: BuildOptions) -> Path:
             components=components,
             source={"kind": source.kind, "requested": source.requested, "path": str(source.path),
                     "sha256": file_sha256(source.files)},
-            **graphs,
+            **sections, **graphs,
             build_options=_build_options(opts, backend, start),
             written_files=written_files(tmp),
         ).write(tmp)

@@ -14,9 +14,9 @@ from whiflash_trt.builder.sources import DEFAULT_TARGET
 from whiflash_trt.config import AUTO
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "whiflash-trt"
-LAYOUT = 6   # what a default engine holds; raised when that changes (2: EAGLE-3's step compiled; 3: DFlash's; 4: the
+LAYOUT = 7   # what a default engine holds; raised when that changes (2: EAGLE-3's step compiled; 3: DFlash's; 4: the
 #              packages' RoPE traced by halves; 5: EAGLE-3's midlayer in int8 where kernels.int8_layers_pay; 6: native
-#              weights)
+#              weights; 7: the native weights stored packed for the kernels)
 
 
 def default_weights() -> str:

@@ -36,16 +36,16 @@ CPU, each runs its torch formulation.
 """
 from whiflash_trt.kernels.build import DEFAULT_CACHE, LIBRARY, KernelBuildError, can_build
 from whiflash_trt.kernels.cpu import ISA_ENV, ISAS, cpu_supported, cpuinfo, isa
-from whiflash_trt.kernels.ops import (BLOCK, C_SHIMS, GEMM_ENV, GEMM_VARIANTS, GGML_BLOCK_BYTES, argmax_rows,
-                                      available_gemms, c_shims, choose_gemm, ensure_loaded, entropy_margin, gemm,
-                                      ggml_blocks, ggml_gate_up, int8_layers_pay, kv_prefill, linear, linear_norm,
-                                      load, loaded_isa, measure_gemm, pack_gate_up, pack_ggml, pack_int8, pack_weight,
-                                      paged_attention, registered, report_unavailable, set_gemm, supports, swiglu,
-                                      topk_rows)
+from whiflash_trt.kernels.ops import (BLOCK, C_SHIMS, GEMM_ENV, GEMM_VARIANTS, GGML_BLOCK_BYTES, GGML_PACKING,
+                                      argmax_rows, available_gemms, c_shims, choose_gemm, ensure_loaded, entropy_margin,
+                                      gemm, ggml_blocks, ggml_gate_up, ggml_kind, int8_layers_pay, kv_prefill, linear,
+                                      linear_norm, load, loaded_isa, measure_gemm, pack_gate_up, pack_ggml, pack_int8,
+                                      pack_weight, paged_attention, registered, report_unavailable, set_gemm, supports,
+                                      swiglu, topk_rows)
 
-__all__ = ["BLOCK", "C_SHIMS", "DEFAULT_CACHE", "GEMM_ENV", "GEMM_VARIANTS", "GGML_BLOCK_BYTES", "ISAS", "ISA_ENV",
-           "LIBRARY", "KernelBuildError", "argmax_rows", "available_gemms", "c_shims", "can_build", "choose_gemm",
-           "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "ggml_blocks", "ggml_gate_up",
-           "int8_layers_pay", "isa", "kv_prefill", "linear", "linear_norm", "load", "loaded_isa", "measure_gemm",
-           "pack_gate_up", "pack_ggml", "pack_int8", "pack_weight", "paged_attention", "registered",
-           "report_unavailable", "set_gemm", "supports", "swiglu", "topk_rows"]
+__all__ = ["BLOCK", "C_SHIMS", "DEFAULT_CACHE", "GEMM_ENV", "GEMM_VARIANTS", "GGML_BLOCK_BYTES", "GGML_PACKING", "ISAS",
+           "ISA_ENV", "LIBRARY", "KernelBuildError", "argmax_rows", "available_gemms", "c_shims", "can_build",
+           "choose_gemm", "cpu_supported", "cpuinfo", "ensure_loaded", "entropy_margin", "gemm", "ggml_blocks",
+           "ggml_gate_up", "ggml_kind", "int8_layers_pay", "isa", "kv_prefill", "linear", "linear_norm", "load",
+           "loaded_isa", "measure_gemm", "pack_gate_up", "pack_ggml", "pack_int8", "pack_weight", "paged_attention",
+           "registered", "report_unavailable", "set_gemm", "supports", "swiglu", "topk_rows"]

@@ -251,6 +251,17 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
 
 # A GGUF file's block types the kernels compute from, and the bytes of one block of 32 inputs (ggml_gemm.h)
 GGML_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGML_PACKING = 1   # the layout of pack_ggml's output, which an engine stores: raised when ggml_gemm.h's changes
+
+
+def ggml_kind(blocks: torch.Tensor) -> str:
+    """The block type of a GGML weight (ggml_blocks: [N, K/32, block bytes]), read from its block bytes."""
+    size = blocks.shape[-1]
+    for kind, block_bytes in GGML_BLOCK_BYTES.items():
+        if block_bytes == size:
+            return kind
+    raise ValueError(f"a GGML weight's blocks are {', '.join(map(str, GGML_BLOCK_BYTES.values()))} bytes "
+                     f"({', '.join(GGML_BLOCK_BYTES)}), not {size}")
 
 
 def ggml_blocks(raw: torch.Tensor, kind: str) -> torch.Tensor:
@@ -278,10 +289,9 @@ def pack_ggml(blocks: torch.Tensor) -> torch.Tensor:
     linear_norm (ggml_gemm.h): per 8 outputs and block, their 8 fp16 d (Q4_1: then their 8 m), then the quants in 8
     steps of 4 inputs, a step 8 outputs x 4 inputs (Q4: steps s and s + 4 in the low and high nibbles of one 32 bytes;
     zero rows pad N)."""
-    size = blocks.shape[2]
-    kind = next((k for k, b in GGML_BLOCK_BYTES.items() if b == size), None)
-    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or kind is None:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3:
         raise ValueError("pack_ggml takes ggml_blocks' [N, K/32, 18 | 20 | 34] uint8")
+    kind, size = ggml_kind(blocks), blocks.shape[2]
     n, nblocks = blocks.shape[:2]
     padded = F.pad(blocks, (0, 0, 0, 0, 0, -n % 8)).view(-1, 8, nblocks, size).transpose(1, 2)   # [G, B, 8, size]
     scales = 4 if kind == "Q4_1" else 2

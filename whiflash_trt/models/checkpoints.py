@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,10 +10,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.errors import CheckpointError
 from whiflash_trt.models.layers import RotaryTable
-from whiflash_trt.models.target import TargetModel
+from whiflash_trt.models.target import TargetModel, dense_replaced, pack_native
 
 
 @dataclass
@@ -75,9 +77,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def validate_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Check names and shapes against the config; returns the dict without keys the model recomputes or ties."""
-    expected = expected_shapes(cfg)
+def validate_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
+                        optional: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """Check names and shapes against the config; returns the dict without keys the model recomputes or ties.
+    Names in `optional` may be missing (the dense linears a native target runs as blocks)."""
+    expected = {k: v for k, v in expected_shapes(cfg).items() if k not in optional or k in state}
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -99,13 +103,18 @@ def validate_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], source
 
 
 def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
-                       use_kernels: bool = True) -> TargetModel:
+                       use_kernels: bool = True, packed: dict[str, torch.Tensor] | None = None) -> TargetModel:
     """Build the model without a random init and load the (validated) weights in the given dtype; its linears and
     attention on the engine's kernels where loaded, unless `use_kernels` is False (graphs for other runtimes), and
-    then over the checkpoint's native blocks where it has them (else over the dequantised weights)."""
-    state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source)
+    then over the checkpoint's native blocks where it has them (else over the dequantised weights). `packed`: the
+    native blocks packed already (target.pack_native's, from an engine), in place of ckpt.native's; the state dict
+    may then lack the dense linears they replace (target.dense_replaced), which stay meta tensors."""
+    replaced = dense_replaced(ckpt.config, packed) if packed else set()
+    if packed and not (use_kernels and kernels.registered() and dtype == torch.bfloat16):
+        raise ValueError("packed native weights run on the engine's kernels in bf16")
+    state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source, replaced)
     with torch.device("meta"):
-        model = TargetModel(ckpt.config)
+        model = TargetModel(ckpt.config).to(dtype)   # a replaced linear's weight stays this meta tensor
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -113,6 +122,6 @@ def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.devic
     model.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope).to(device)
     model.requires_grad_(False).eval()
     model.fuse_projections(use_kernels)
-    if ckpt.native and use_kernels and model.kernel_attention:
-        model.use_native(ckpt.native)
+    if use_kernels and model.kernel_attention and (packed or ckpt.native):
+        model.use_native(packed or pack_native(ckpt.config, ckpt.native))
     return model

@@ -163,40 +163,32 @@ class TargetModel(nn.Module, Target):
         self.lm_head.weight = head
         self.head = FrozenLinear(head, use_kernel=use_kernels)
         self.kernel_attention = use_kernels and kernels.registered()
+        self._place_norms()
+
+    def _place_norms(self) -> None:
+        """The norms run inside the GEMMs after them where every layer's weights are on the kernels."""
         norms_in_gemms = self.kernel_attention and all(layer.on_kernels() for layer in self.layers)
         for layer in self.layers:
             layer.norms_in_gemms = norms_in_gemms
 
-    def use_native(self, blocks: dict[str, torch.Tensor]) -> None:
-        """The linears run over a GGUF file's own blocks (kernels.ggml_blocks, by weight name) in place of their
-        bf16 weights, on the kernels (after fuse_projections over them): q/k/v where all three have blocks of one
-        type, o, gate/up likewise, down and the LM head (the token embedding's blocks where the head is tied). The
-        dense weights stay for the embedding and the modules' shapes."""
+    def use_native(self, packed: dict[str, torch.Tensor]) -> None:
+        """The linears run over a GGUF file's own blocks, packed for the kernels (pack_native, by linear), in place
+        of their bf16 weights, on the kernels (after fuse_projections). The dense weights of those linears are then
+        unused and may be meta tensors (runtime/loading.py reads none of them); the embedding, the norms and the
+        dense LM head stay."""
         if not self.kernel_attention:
             raise ValueError("native weights run on the engine's kernels: load them before fuse_projections")
-
-        def same_kind(*names):
-            found = [blocks.get(n) for n in names]
-            if any(b is None for b in found) or len({b.shape[2] for b in found}) > 1:
-                return None
-            return found
-
         for i, layer in enumerate(self.layers):
             attn, mlp, at = layer.self_attn, layer.mlp, f"layers.{i}."
-            qkv = same_kind(*(f"{at}self_attn.{p}_proj.weight" for p in "qkv"))
-            if qkv is not None:
-                attn.qkv.kernel_weight = kernels.pack_ggml(torch.cat(qkv))
-            if (o := blocks.get(f"{at}self_attn.o_proj.weight")) is not None:
-                attn.o.kernel_weight = kernels.pack_ggml(o)
-            gate_up = same_kind(f"{at}mlp.gate_proj.weight", f"{at}mlp.up_proj.weight")
-            if gate_up is not None and mlp.gate_up_packed is not None:
-                mlp.gate_up_packed = kernels.pack_ggml(kernels.ggml_gate_up(*gate_up))
-            if (down := blocks.get(f"{at}mlp.down_proj.weight")) is not None:
-                mlp.down.kernel_weight = kernels.pack_ggml(down)
-        head = blocks.get("lm_head.weight", blocks.get("embed_tokens.weight") if self.config.tie_word_embeddings
-                          else None)
-        if head is not None:
-            self.head.kernel_weight = kernels.pack_ggml(head)
+            for frozen, name in ((attn.qkv, "self_attn.qkv"), (attn.o, "self_attn.o_proj"),
+                                 (mlp.down, "mlp.down_proj")):
+                if at + name in packed:
+                    _set_kernel_weight(frozen, packed[at + name])
+            if at + "mlp.gate_up" in packed:
+                mlp.gate_up_packed, mlp.gate_up = packed[at + "mlp.gate_up"], None
+        if "lm_head" in packed:
+            _set_kernel_weight(self.head, packed["lm_head"])
+        self._place_norms()
         self.native = True
 
     def streamed_weight_bytes(self) -> int:
@@ -256,3 +248,48 @@ class TargetModel(nn.Module, Target):
         logits = self.head(hidden) if self.head is not None else row_linear(hidden, self.lm_head.weight)
         feats = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
         return TargetOutput(logits=logits, hidden=hidden, captured=feats)
+
+
+def _set_kernel_weight(frozen: FrozenLinear, weight: torch.Tensor) -> None:
+    """`frozen` runs on the kernels over `weight` (a packed GGML weight), its bias widened as FrozenLinear does."""
+    frozen.kernel_weight = weight
+    frozen.kernel_bias = None if frozen.bias is None else frozen.bias.detach().float()
+
+
+def native_linears(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The linears that run GGML blocks, by the name of their packed weight (pack_native), each with the GGUF
+    tensors it is packed from, in order (a tied LM head: the embedding table's)."""
+    table = {}
+    for i in range(cfg.num_layers):
+        at = f"layers.{i}."
+        table |= {f"{at}self_attn.qkv": tuple(f"{at}self_attn.{p}_proj.weight" for p in "qkv"),
+                  f"{at}self_attn.o_proj": (f"{at}self_attn.o_proj.weight",),
+                  f"{at}mlp.gate_up": (f"{at}mlp.gate_proj.weight", f"{at}mlp.up_proj.weight"),
+                  f"{at}mlp.down_proj": (f"{at}mlp.down_proj.weight",)}
+    table["lm_head"] = ("embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",)
+    return table
+
+
+def pack_native(cfg: ModelConfig, blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GGUF's blocks (kernels.ggml_blocks, by weight name) -> the packed weights TargetModel.use_native takes
+    (kernels.pack_ggml, by native_linears' names): q/k/v where all three have blocks of one type, o, gate/up likewise
+    (their rows interleaved, kernels.ggml_gate_up), down and the LM head. Pure byte moves, the same on every CPU: an
+    engine stores them packed (builder/build.py)."""
+    packed = {}
+    for name, sources in native_linears(cfg).items():
+        found = [blocks.get(s) for s in sources]
+        if any(b is None for b in found) or len({kernels.ggml_kind(b) for b in found}) > 1:
+            continue
+        if name.endswith("gate_up"):
+            if cfg.intermediate_size % 32 == 0:
+                packed[name] = kernels.pack_ggml(kernels.ggml_gate_up(*found))
+        else:
+            packed[name] = kernels.pack_ggml(torch.cat(found))
+    return packed
+
+
+def dense_replaced(cfg: ModelConfig, packed: dict[str, torch.Tensor]) -> set[str]:
+    """The dense weights a target over `packed` (pack_native's) never reads: its layers' linears that run blocks.
+    The LM head's stays (a drafter slices its draft vocabulary's rows from it, and a tied one is the embedding)."""
+    return {s for name, sources in native_linears(cfg).items() if name in packed and name != "lm_head"
+            for s in sources}

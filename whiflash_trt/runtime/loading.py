@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from whiflash_trt import kernels
@@ -20,6 +21,7 @@ from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
 from whiflash_trt.models.contracts import DFlash, Eagle3, Target
 from whiflash_trt.models.drafter_checkpoints import load_dflash, load_eagle3
 from whiflash_trt.models.layers import linear_path
+from whiflash_trt.models.target import dense_replaced
 from whiflash_trt.runtime.backends import engine_backend, load_graph_models
 from whiflash_trt.spec.router_file import RouterFile, load_router
 
@@ -122,13 +124,35 @@ def compute_path(backend: str, dtype: torch.dtype, device: str) -> ComputePath:
     return ComputePath(f"compiled step, {path}" if backend == "compiled" else path, slow_bf16)
 
 
-def read_weights(path: Path, engine_dir: Path) -> dict[str, torch.Tensor]:
+def read_weights(path: Path, engine_dir: Path, skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file `path` but those named in `skip`, which are never read."""
     if not path.is_file():
         raise CheckpointError(f"engine {engine_dir} is incomplete: {path.name} is missing")
     try:
-        return load_file(str(path))
+        if not skip:
+            return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys() if name not in skip}
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read {path}: {e} (file corrupt or truncated?)") from None
+
+
+def native_weights(engine_dir: Path, manifest: Manifest, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A native engine's packed blocks (models.target.pack_native's) where they run here: on the CPU in bf16 over the
+    engine's kernels, packed in their layout (kernels.GGML_PACKING); else {} (and why, on stderr): the target then
+    runs its dequantised weights."""
+    if not manifest.native:
+        return {}
+    if device != "cpu" or dtype != torch.bfloat16 or not kernels.registered():
+        where = f"{device}, {dtype_name(dtype)}" + ("" if kernels.registered() else ", no kernels")
+        print(f"this engine's native weights run on its CPU kernels in bf16, not here ({where}): the target runs "
+              f"its dequantised weights", file=sys.stderr)
+        return {}
+    if manifest.native.get("packing") != kernels.GGML_PACKING:
+        print("this engine's native weights are packed for other kernels (rebuild it): the target runs its "
+              "dequantised weights", file=sys.stderr)
+        return {}
+    return read_weights(engine_dir / manifest.native["path"], engine_dir)
 
 
 def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
@@ -145,20 +169,15 @@ def load_parts(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
         router = None if paths["router"] is None else load_router(paths["router"], manifest.model.hidden_size)
         return EngineParts(target, load_tokenizer(engine_dir), eagle3, dflash, router, manifest,
                            compute_path(backend, parse_dtype(manifest.dtype), device))
-    weights = engine_dir / TARGET_WEIGHTS
-    state = read_weights(weights, engine_dir)
     torch_dtype = parse_dtype(dtype or manifest.dtype)
     if device == "cpu" and torch_dtype == torch.float16:
         raise WhiflashError("fp16 is not supported on CPU; use bf16 or fp32 (fp16 is for CUDA)")
     if device == "cpu" and torch_dtype == torch.bfloat16:
         load_engine_kernels(engine_dir, manifest)
-    native = read_weights(engine_dir / manifest.native["path"], engine_dir) if manifest.native else {}
-    if native and (device != "cpu" or torch_dtype != torch.bfloat16 or not kernels.registered()):
-        where = f"{device}, {dtype_name(torch_dtype)}" + ("" if kernels.registered() else ", no kernels")
-        print(f"this engine's native weights run on its CPU kernels in bf16, not here ({where}): the target runs "
-              f"its dequantised weights", file=sys.stderr)
-        native = {}
-    target = instantiate_target(Checkpoint(manifest.model, state, str(weights), native), torch_dtype, device)
+    native = native_weights(engine_dir, manifest, device, torch_dtype)
+    weights = engine_dir / TARGET_WEIGHTS   # without the dense linears the native blocks replace: never read
+    state = read_weights(weights, engine_dir, dense_replaced(manifest.model, native))
+    target = instantiate_target(Checkpoint(manifest.model, state, str(weights)), torch_dtype, device, packed=native)
     if backend == "compiled":
         target = compiled_target(engine_dir, manifest, target, torch_dtype, device)
     parts = checkpoint_parts(target, load_tokenizer(engine_dir), device, paths[EAGLE3], paths[DFLASH],

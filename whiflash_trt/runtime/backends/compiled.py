@@ -49,6 +49,10 @@ class CompiledTarget(Target):
     def native(self) -> bool:
         return self.eager.native
 
+    def streamed_weight_bytes(self) -> int:
+        """The eager target's (TargetModel.streamed_weight_bytes): the package computes from the same weights."""
+        return self.eager.streamed_weight_bytes()
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.eager.embed(input_ids)
 
