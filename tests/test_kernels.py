@@ -691,27 +691,6 @@ def test_paged_attention_rejects_bad_inputs():
                                 row_len, 1.0)
 
 
-def test_a_fresh_build_registers_the_shapes_export_needs(tmp_path):
-    """compile_library's build loads the library into the process; load() must still register the fake shapes that
-    torch.export needs (a fresh machine has no compiled library in its cache). In a process of its own."""
-    script = f"""
-import torch
-from pathlib import Path
-from whiflash_trt import kernels
-assert kernels.load(kernels.build.compile_library(Path({str(tmp_path)!r})))
-
-def f(x, packed):
-    return kernels.linear(x, packed, None, 64)
-
-w = torch.randn(64, 32).bfloat16()
-program = torch.export.export(type("M", (torch.nn.Module,), {{"forward": lambda self, x, p: f(x, p)}})(),
-                              (torch.randn(3, 32).bfloat16(), kernels.pack_weight(w)))
-print("exported", len(program.graph.nodes))
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "exported" in out.stdout, out.stderr[-2000:]
-
-
 AVX2_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
 AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512vl avx512dq avx512cd"
 AMX_FLAGS = AVX512_FLAGS + " avx512_bf16 amx_tile amx_bf16 amx_int8"
@@ -765,7 +744,9 @@ def test_the_loaded_library_is_the_build_of_this_isa(tmp_path):
 def test_a_truncated_library_in_the_cache_is_rebuilt_not_loaded(tmp_path):
     """The cached library's bytes are checked against its sha256 before it is used: a truncated one is rebuilt (with
     a line saying so), and a build folder left by a killed build (its cpp_extension lock held) does not block it.
-    In a process of its own (a process holds one library)."""
+    The build loads the library into the process, and load() must still register the fake shapes torch.export needs
+    (a fresh machine has no compiled library in its cache): the rebuilt library exports a linear. In a process of
+    its own (a process holds one library)."""
     source = kernels.build.DEFAULT_CACHE / kernels.build.version()
     cached = tmp_path / kernels.build.version()
     cached.mkdir()
@@ -778,14 +759,22 @@ def test_a_truncated_library_in_the_cache_is_rebuilt_not_loaded(tmp_path):
     (cached / "build").mkdir()
     (cached / "build" / "lock").write_text("")   # where a single shared build folder would hold its lock
     script = f"""
+import torch
 from pathlib import Path
 from whiflash_trt import kernels
 library = kernels.build.compile_library(Path({str(tmp_path)!r}))
 assert kernels.load(library) and kernels.registered()
-print("built", library)
+
+def f(x, packed):
+    return kernels.linear(x, packed, None, 64)
+
+w = torch.randn(64, 32).bfloat16()
+program = torch.export.export(type("M", (torch.nn.Module,), {{"forward": lambda self, x, p: f(x, p)}})(),
+                              (torch.randn(3, 32).bfloat16(), kernels.pack_weight(w)))
+print("built", library, "exported", len(program.graph.nodes))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
+    assert out.returncode == 0 and "built" in out.stdout and "exported" in out.stdout, out.stderr[-2000:]
     assert "does not match its sha256; rebuilding" in out.stderr
     rebuilt = cached / kernels.LIBRARY
     assert kernels.build.intact(rebuilt) and rebuilt.stat().st_size > len(whole) // 3
