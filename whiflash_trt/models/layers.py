@@ -89,14 +89,19 @@ class FrozenLinear:
         if use_kernel and kernels.registered() and kernels.supports(weight):
             # int8: a bf16 weight without bias quantised per output row (kernels.pack_int8): a drafter's head or layers
             quantise = int8 and bias is None and weight.dtype == torch.bfloat16
-            self.kernel_weight = kernels.pack_int8(weight) if quantise else kernels.pack_weight(weight)
-            self.kernel_bias = None if bias is None else bias.detach().float()
+            self.run_on_kernels(kernels.pack_int8(weight) if quantise else kernels.pack_weight(weight))
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
             if onednn_bf16():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             else:
                 self.widened = k_major(weight.detach().float())
                 self.widened_bias = None if bias is None else bias.detach().float()
+
+    def run_on_kernels(self, kernel_weight: torch.Tensor) -> None:
+        """The linear runs on the kernels over `kernel_weight` (a packed bf16, fp32, int8 or GGML weight: kernels.linear
+        takes any), its bias widened to fp32 as the kernels take it."""
+        self.kernel_weight = kernel_weight
+        self.kernel_bias = None if self.bias is None else self.bias.detach().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

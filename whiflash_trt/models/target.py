@@ -183,11 +183,11 @@ class TargetModel(nn.Module, Target):
             for frozen, name in ((attn.qkv, "self_attn.qkv"), (attn.o, "self_attn.o_proj"),
                                  (mlp.down, "mlp.down_proj")):
                 if at + name in packed:
-                    _set_kernel_weight(frozen, packed[at + name])
+                    frozen.run_on_kernels(packed[at + name])
             if at + "mlp.gate_up" in packed:
                 mlp.gate_up_packed, mlp.gate_up = packed[at + "mlp.gate_up"], None
         if "lm_head" in packed:
-            _set_kernel_weight(self.head, packed["lm_head"])
+            self.head.run_on_kernels(packed["lm_head"])
         self._place_norms()
         self.native = True
 
@@ -248,12 +248,6 @@ class TargetModel(nn.Module, Target):
         logits = self.head(hidden) if self.head is not None else row_linear(hidden, self.lm_head.weight)
         feats = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
         return TargetOutput(logits=logits, hidden=hidden, captured=feats)
-
-
-def _set_kernel_weight(frozen: FrozenLinear, weight: torch.Tensor) -> None:
-    """`frozen` runs on the kernels over `weight` (a packed GGML weight), its bias widened as FrozenLinear does."""
-    frozen.kernel_weight = weight
-    frozen.kernel_bias = None if frozen.bias is None else frozen.bias.detach().float()
 
 
 def native_linears(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
