@@ -132,6 +132,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def gate_up_packs(intermediate_size: int) -> bool:
+    """An MLP's [gate; up] can run in the kernels' SwiGLU (kernels.swiglu): they are interleaved in runs of 32
+    rows (kernels.pack_gate_up for bf16 weights, kernels.ggml_gate_up for GGML blocks)."""
+    return intermediate_size % 32 == 0
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -151,7 +157,7 @@ class SwiGLU(nn.Module):
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
-        if use_kernels and kernels.registered() and fused.dtype == torch.bfloat16 and n % 32 == 0 \
+        if use_kernels and kernels.registered() and fused.dtype == torch.bfloat16 and gate_up_packs(n) \
                 and kernels.supports(fused) and (many_rows or not int8):
             self.gate_up_packed = kernels.pack_gate_up(fused, int8)
         else:

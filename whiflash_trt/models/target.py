@@ -14,7 +14,7 @@ from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.models.attention import AttentionContext, attention_keys
 from whiflash_trt.models.contracts import Segment, Target, TargetOutput
-from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, k_major, row_linear
+from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, gate_up_packs, k_major, row_linear
 
 
 class Attention(nn.Module):
@@ -275,7 +275,7 @@ def pack_native(cfg: ModelConfig, blocks: dict[str, torch.Tensor]) -> dict[str, 
         if any(b is None for b in found) or len({kernels.ggml_kind(b) for b in found}) > 1:
             continue
         if name.endswith("gate_up"):
-            if cfg.intermediate_size % 32 == 0:
+            if gate_up_packs(cfg.intermediate_size):
                 packed[name] = kernels.pack_ggml(kernels.ggml_gate_up(*found))
         else:
             packed[name] = kernels.pack_ggml(torch.cat(found))
