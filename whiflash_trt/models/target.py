@@ -176,8 +176,8 @@ class TargetModel(nn.Module, Target):
         of their bf16 weights, on the kernels (after fuse_projections). The dense weights of those linears are then
         unused and may be meta tensors (runtime/loading.py reads none of them); the embedding, the norms and the
         dense LM head stay."""
-        if not self.kernel_attention:
-            raise ValueError("native weights run on the engine's kernels: load them before fuse_projections")
+        if not (self.kernel_attention and self.dtype == torch.bfloat16):
+            raise ValueError("native weights run on the engine's kernels in bf16: load them before fuse_projections")
         for i, layer in enumerate(self.layers):
             attn, mlp, at = layer.self_attn, layer.mlp, f"layers.{i}."
             for frozen, name in ((attn.qkv, "self_attn.qkv"), (attn.o, "self_attn.o_proj"),
