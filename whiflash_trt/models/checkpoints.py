@@ -118,7 +118,5 @@ def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.devic
     cfg = ckpt.config
     model.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope).to(device)
     model.requires_grad_(False).eval()
-    model.fuse_projections(use_kernels)
-    if packed:
-        model.use_native(packed)
+    model.fuse_projections(use_kernels, packed)
     return model
