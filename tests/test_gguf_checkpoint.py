@@ -112,11 +112,12 @@ def test_a_native_target_runs_its_blocks_on_the_kernels(tmp_path, quant):
 
     from whiflash_trt import kernels
     from whiflash_trt.models.checkpoints import Checkpoint, instantiate_target
+    from whiflash_trt.models.target import pack_native
 
     if not kernels.registered():
         pytest.skip("the kernels are not loaded on this machine")
     ckpt = load_gguf_checkpoint(write_tiny_gguf(tmp_path / "q.gguf", quant=quant), native=True)
-    native = instantiate_target(ckpt, torch.bfloat16)
+    native = instantiate_target(ckpt, torch.bfloat16, packed=pack_native(ckpt.config, ckpt.native))
     dense = instantiate_target(Checkpoint(ckpt.config, ckpt.state_dict, ckpt.source), torch.bfloat16)
     layer = native.layers[0]
     assert layer.norms_in_gemms and native.head.kernel_weight.dtype == torch.uint8

@@ -132,19 +132,21 @@ def export_graphs(ckpt: Checkpoint, drafters: dict, dtype: torch.dtype, engine_d
     return section
 
 
-def add_native(ckpt: Checkpoint, engine_dir: Path) -> dict:
+def add_native(ckpt: Checkpoint, engine_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The manifest's native section: the target's linears in their GGUF blocks (Checkpoint.native), saved packed
     for the kernels (models.target.pack_native: the same bytes on every CPU, so a load packs nothing), the layout
-    they are packed in (kernels.GGML_PACKING) and the count of GGUF tensors of each block type."""
+    they are packed in (kernels.GGML_PACKING) and the count of GGUF tensors of each block type -> (the section, the
+    packed blocks, which the compiled target's step is traced over)."""
     if not ckpt.native:
         raise WhiflashError(f"{ckpt.source} has no quantized linears to keep (--weights native): build it with "
                             f"--weights bf16")
-    save_file(pack_native(ckpt.config, ckpt.native), str(engine_dir / NATIVE_WEIGHTS))
+    packed = pack_native(ckpt.config, ckpt.native)
+    save_file(packed, str(engine_dir / NATIVE_WEIGHTS))
     types: dict[str, int] = {}
     for blocks in ckpt.native.values():
         kind = kernels.ggml_kind(blocks)
         types[kind] = types.get(kind, 0) + 1
-    return {"path": NATIVE_WEIGHTS, "packing": kernels.GGML_PACKING, "types": dict(sorted(types.items()))}
+    return {"path": NATIVE_WEIGHTS, "packing": kernels.GGML_PACKING, "types": dict(sorted(types.items()))}, packed
 
 
 def add_kernels(engine_dir: Path, required: bool) -> dict:
@@ -164,10 +166,10 @@ def add_kernels(engine_dir: Path, required: bool) -> dict:
             "ops": ["whiflash::linear_bf16", "whiflash::linear_fp32", "whiflash::paged_attention"]}
 
 
-def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engine_dir: Path, drafters: dict,
-                        show_progress: bool) -> dict:
+def add_compiled_target(ckpt: Checkpoint, packed: dict[str, torch.Tensor], capture_layers: tuple[int, ...],
+                        engine_dir: Path, drafters: dict, show_progress: bool) -> dict:
     """The manifest's compiled section: the target step, EAGLE-3's draft step and DFlash's block forward compiled
-    ahead of time (~1 minute on 2 cores)."""
+    ahead of time (~1 minute on 2 cores). `packed`: the native blocks add_native saved ({} for dense linears)."""
     from whiflash_trt.builder.compile_dflash import compile_dflash
     from whiflash_trt.builder.compile_eagle3 import compile_eagle3
     from whiflash_trt.builder.compile_target import compile_target
@@ -177,7 +179,7 @@ def add_compiled_target(ckpt: Checkpoint, capture_layers: tuple[int, ...], engin
         # stderr: `whiflash-run --json` builds the default engine on its first run, and its stdout is JSON lines
         print("compiling the target step (torch.export + AOTInductor)", file=sys.stderr, flush=True)
     (engine_dir / COMPILED_DIR).mkdir()
-    target = instantiate_target(ckpt, torch.bfloat16)
+    target = instantiate_target(ckpt, torch.bfloat16, packed=packed)
     entry = compile_target(target, capture_layers, engine_dir / COMPILED_DIR / "target.pt2")
     section = {"target": entry | {"path": f"{COMPILED_DIR}/{entry['path']}"}}
     steps = {EAGLE3: ("EAGLE-3's draft step", compile_eagle3), DFLASH: ("DFlash's block forward", compile_dflash)}
@@ -248,10 +250,12 @@ def _load_target(opts: BuildOptions, source) -> Checkpoint:
     return Checkpoint(ckpt.config, state, ckpt.source, ckpt.native if opts.blocks else {})
 
 
-def _add_backend(opts: BuildOptions, backend: str, target: Checkpoint, dtype: torch.dtype, drafters: dict,
-                 capture_layers: tuple[int, ...], engine_dir: Path) -> tuple[str, dict]:
+def _add_backend(opts: BuildOptions, backend: str, target: Checkpoint, packed: dict[str, torch.Tensor],
+                 dtype: torch.dtype, drafters: dict, capture_layers: tuple[int, ...],
+                 engine_dir: Path) -> tuple[str, dict]:
     """The sections of what runs the engine: its graphs (onnx, tensorrt), its kernels and compiled steps ->
-    (the backend it settled on, the sections). An auto build whose kernels do not build here is a torch one."""
+    (the backend it settled on, the sections). An auto build whose kernels do not build here is a torch one.
+    `packed`: the target's native blocks as add_native saved them."""
     sections = {}
     if backend in GRAPH_BACKENDS:
         sections["onnx"] = export_graphs(Checkpoint(target.config, target.state_dict, target.source), drafters, dtype,
@@ -261,7 +265,8 @@ def _add_backend(opts: BuildOptions, backend: str, target: Checkpoint, dtype: to
     if backend == "compiled" and not sections["kernels"]:   # auto, where the kernels did not build
         backend = "torch"
     if backend == "compiled":
-        sections["compiled"] = add_compiled_target(target, capture_layers, engine_dir, drafters, opts.show_progress)
+        sections["compiled"] = add_compiled_target(target, packed, capture_layers, engine_dir, drafters,
+                                                   opts.show_progress)
     if backend == "tensorrt":
         sections["tensorrt"] = build_tensorrt_engines(engine_dir, sections["onnx"],
                                                       target.config.max_position_embeddings, opts.block_size,
@@ -288,11 +293,13 @@ def build_engine(opts: BuildOptions) -> Path:
     try:
         save_file({k: v.to(dtype).contiguous() for k, v in target.state_dict.items()}, str(tmp / TARGET_WEIGHTS))
         tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-        sections = {"native": add_native(target, tmp)} if opts.blocks else {}
+        sections, packed = {}, {}
+        if opts.blocks:
+            sections["native"], packed = add_native(target, tmp)
         components, drafters = add_components(opts, cfg, tmp)
         layouts = kv_layouts({"target": cfg, **{name: m.config for name, m in drafters.items()}}, dtype)
         capture_layers = tuple(sorted({i for c in components.values() for i in c.get("capture_layers", ())}))
-        backend, graphs = _add_backend(opts, backend, target, dtype, drafters, capture_layers, tmp)
+        backend, graphs = _add_backend(opts, backend, target, packed, dtype, drafters, capture_layers, tmp)
         Manifest(
             model=cfg,
             dtype=dtype_name(dtype),

@@ -10,11 +10,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.errors import CheckpointError
 from whiflash_trt.models.layers import RotaryTable
-from whiflash_trt.models.target import TargetModel, dense_replaced, pack_native
+from whiflash_trt.models.target import TargetModel, dense_replaced
 
 
 @dataclass
@@ -105,13 +104,11 @@ def validate_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], source
 def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
                        use_kernels: bool = True, packed: dict[str, torch.Tensor] | None = None) -> TargetModel:
     """Build the model without a random init and load the (validated) weights in the given dtype; its linears and
-    attention on the engine's kernels where loaded, unless `use_kernels` is False (graphs for other runtimes), and
-    then over the checkpoint's native blocks where it has them (else over the dequantised weights). `packed`: the
-    native blocks packed already (target.pack_native's, from an engine), in place of ckpt.native's; the state dict
-    may then lack the dense linears they replace (target.dense_replaced), which stay meta tensors."""
+    attention on the engine's kernels where loaded, unless `use_kernels` is False (graphs for other runtimes).
+    `packed`: native blocks (target.pack_native's) the linears run over in place of their dense weights, where the
+    caller has found that they run here (runtime.loading.native_weights; the builder, after kernels.load); the
+    state dict may then lack the dense linears they replace (target.dense_replaced), which stay meta tensors."""
     replaced = dense_replaced(ckpt.config, packed) if packed else set()
-    if packed and not (use_kernels and kernels.registered() and dtype == torch.bfloat16):
-        raise ValueError("packed native weights run on the engine's kernels in bf16")
     state = validate_state_dict(ckpt.config, ckpt.state_dict, ckpt.source, replaced)
     with torch.device("meta"):
         model = TargetModel(ckpt.config).to(dtype)   # a replaced linear's weight stays this meta tensor
@@ -121,7 +118,5 @@ def instantiate_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.devic
     cfg = ckpt.config
     model.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope).to(device)
     model.requires_grad_(False).eval()
-    model.fuse_projections(use_kernels)
-    if use_kernels and model.kernel_attention and (packed or ckpt.native):
-        model.use_native(packed or pack_native(ckpt.config, ckpt.native))
+    model.fuse_projections(use_kernels, packed)
     return model

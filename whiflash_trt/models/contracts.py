@@ -72,7 +72,7 @@ class Target(Protocol):
     (every KV pool and drafter of an engine shares it); embed: ids [T] -> [T, H]; logits: final-norm hidden [T, H] ->
     [T, vocab] through its lm_head."""
     config: ModelConfig
-    native: bool = False   # its linears run a GGUF's own blocks on the kernels (TargetModel.use_native)
+    native: bool = False   # its linears run a GGUF's own blocks on the kernels (TargetModel.fuse_projections)
 
     @property
     def dtype(self) -> torch.dtype: ...

@@ -71,7 +71,8 @@ def eagle3_config(raw: dict, target: ModelConfig, where: Path) -> Eagle3Config:
     _check(cfg.target_hidden_size == target.hidden_size, where,
            f"target_hidden_size {cfg.target_hidden_size} != target hidden size {target.hidden_size}")
     _check(cfg.hidden_size == target.hidden_size, where,
-           f"hidden_size {cfg.hidden_size} != target hidden size {target.hidden_size} (it embeds with the target's table)")
+           f"hidden_size {cfg.hidden_size} != target hidden size {target.hidden_size} "
+           f"(it embeds with the target's table)")
     _check(cfg.vocab_size == target.vocab_size, where,
            f"vocab_size {cfg.vocab_size} != target vocabulary {target.vocab_size}")
     _check(all(1 <= i <= n for i in aux_ids), where, f"aux layer ids {aux_ids} outside the target's {n} layers")

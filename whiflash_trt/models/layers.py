@@ -80,17 +80,22 @@ class FrozenLinear:
     weight without bias is quantised per output row (kernels.pack_int8) and streams half the bytes; many_rows picks
     the int8 GEMM loop for calls of many rows (kernels.linear: DFlash's blocks), else the one for few rows. A
     drafter's output only steers what it proposes, never what is accepted, so this costs no exactness (measured tau:
-    MODEL_CARD.md)."""
+    MODEL_CARD.md).
+
+    `kernel_weight`: the weight it runs over on the kernels, packed already (a native target's GGML blocks,
+    models.target.pack_native's); `weight` is then not packed, and may be a meta tensor but for the LM head's."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True,
-                 int8: bool = False, many_rows: bool = False) -> None:
+                 int8: bool = False, many_rows: bool = False, kernel_weight: torch.Tensor | None = None) -> None:
         self.weight, self.bias, self.many_rows = weight, bias, many_rows
-        self.packed = self.kernel_weight = self.kernel_bias = self.widened = None
-        if use_kernel and kernels.registered() and kernels.supports(weight):
+        self.packed = self.kernel_bias = self.widened = None
+        if kernel_weight is None and use_kernel and kernels.registered() and kernels.supports(weight):
             # int8: a bf16 weight without bias quantised per output row (kernels.pack_int8): a drafter's head or layers
             quantise = int8 and bias is None and weight.dtype == torch.bfloat16
-            self.kernel_weight = kernels.pack_int8(weight) if quantise else kernels.pack_weight(weight)
-            self.kernel_bias = None if bias is None else bias.detach().float()
+            kernel_weight = kernels.pack_int8(weight) if quantise else kernels.pack_weight(weight)
+        self.kernel_weight = kernel_weight
+        if kernel_weight is not None:
+            self.kernel_bias = None if bias is None else bias.detach().float()   # the kernels take an fp32 bias
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
             if onednn_bf16():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -127,6 +132,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def gate_up_packs(intermediate_size: int) -> bool:
+    """An MLP's [gate; up] can run in the kernels' SwiGLU (kernels.swiglu): they are interleaved in runs of 32
+    rows (kernels.pack_gate_up for bf16 weights, kernels.ggml_gate_up for GGML blocks)."""
+    return intermediate_size % 32 == 0
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -136,22 +147,29 @@ class SwiGLU(nn.Module):
         self.gate_up: FrozenLinear | None = None   # set by fuse(), with self.down; or instead:
         self.gate_up_packed: torch.Tensor | None = None   # [gate; up] for the kernels' SwiGLU (kernels.swiglu)
 
-    def fuse(self, use_kernels: bool = True, int8: bool = False, many_rows: bool = True) -> None:
+    def fuse(self, use_kernels: bool = True, int8: bool = False, many_rows: bool = True,
+             blocks: dict[str, torch.Tensor] | None = None) -> None:
         """One [gate; up] matrix; gate/up_proj become views into it (names and state_dict unchanged). On the
         kernels (bf16), SwiGLU itself runs in the GEMM: one call, no [T, 2I] intermediate. `int8`: there, both
         weights quantised per output row (a drafter's layers, see FrozenLinear); without `many_rows` (EAGLE-3's
-        draft steps of few rows) the GEMMs run the int8 loop for few rows and SwiGLU after them."""
+        draft steps of few rows) the GEMMs run the int8 loop for few rows and SwiGLU after them. `blocks`: GGML
+        weights packed already ("gate_up", "down_proj": a native target's, models.target.pack_native's) that run in
+        place of those the dense ones would be packed into (FrozenLinear's kernel_weight)."""
+        blocks = blocks or {}
         fused = k_major(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         self.down_proj.weight = nn.Parameter(k_major(self.down_proj.weight), requires_grad=False)
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
-        if use_kernels and kernels.registered() and fused.dtype == torch.bfloat16 and n % 32 == 0 \
+        if "gate_up" in blocks:
+            self.gate_up_packed = blocks["gate_up"]
+        elif use_kernels and kernels.registered() and fused.dtype == torch.bfloat16 and gate_up_packs(n) \
                 and kernels.supports(fused) and (many_rows or not int8):
             self.gate_up_packed = kernels.pack_gate_up(fused, int8)
         else:
             self.gate_up = FrozenLinear(fused, use_kernel=use_kernels, int8=int8, many_rows=many_rows)
-        self.down = FrozenLinear(self.down_proj.weight, use_kernel=use_kernels, int8=int8, many_rows=many_rows)
+        self.down = FrozenLinear(self.down_proj.weight, use_kernel=use_kernels, int8=int8, many_rows=many_rows,
+                                 kernel_weight=blocks.get("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_packed is not None:

@@ -14,7 +14,7 @@ from whiflash_trt import kernels
 from whiflash_trt.config import ModelConfig
 from whiflash_trt.models.attention import AttentionContext, attention_keys
 from whiflash_trt.models.contracts import Segment, Target, TargetOutput
-from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, k_major, row_linear
+from whiflash_trt.models.layers import FrozenLinear, RMSNorm, RotaryTable, SwiGLU, gate_up_packs, k_major, row_linear
 
 
 class Attention(nn.Module):
@@ -36,10 +36,14 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv: FrozenLinear | None = None  # set by fuse(), with self.o
 
-    def fuse(self, use_kernels: bool = True, int8: bool = False, many_rows: bool = True) -> None:
+    def fuse(self, use_kernels: bool = True, int8: bool = False, many_rows: bool = True,
+             blocks: dict[str, torch.Tensor] | None = None) -> None:
         """One [q;k;v] matrix; q/k/v_proj become views into it, so names and state_dict stay the checkpoint's.
         `int8`: on the kernels, the projections' weights quantised per output row (a drafter's, see FrozenLinear),
-        run in the int8 loop for many rows (DFlash's blocks) or few (`many_rows` False: EAGLE-3's draft steps)."""
+        run in the int8 loop for many rows (DFlash's blocks) or few (`many_rows` False: EAGLE-3's draft steps).
+        `blocks`: GGML weights packed already ("qkv", "o_proj": a native target's, pack_native's) that run in place
+        of those the dense ones would be packed into (FrozenLinear's kernel_weight)."""
+        blocks = blocks or {}
         projs = (self.q_proj, self.k_proj, self.v_proj)
         fused = k_major(torch.cat([p.weight for p in projs]))
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
@@ -51,8 +55,8 @@ class Attention(nn.Module):
                 p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
             start += n
         self.o_proj.weight = nn.Parameter(k_major(self.o_proj.weight), requires_grad=False)
-        self.qkv = FrozenLinear(fused, bias, use_kernels, int8, many_rows)
-        self.o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, use_kernels, int8, many_rows)
+        self.qkv = FrozenLinear(fused, bias, use_kernels, int8, many_rows, blocks.get("qkv"))
+        self.o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, use_kernels, int8, many_rows, blocks.get("o_proj"))
 
     def projections(self, x) -> list[torch.Tensor]:
         """x [..., H] -> q, k, v [..., heads (kv_heads) * head_dim]"""
@@ -135,7 +139,7 @@ class TargetModel(nn.Module, Target):
         self.rotary = RotaryTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.head: FrozenLinear | None = None  # the lm_head, set by fuse_projections
         self.kernel_attention = False          # set by fuse_projections
-        self.native = False                    # its linears run GGML blocks: set by use_native
+        self.native = False                    # its linears run GGML blocks: set by fuse_projections
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,19 +154,27 @@ class TargetModel(nn.Module, Target):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
-    def fuse_projections(self, use_kernels: bool = True) -> None:
+    def fuse_projections(self, use_kernels: bool = True, native: dict[str, torch.Tensor] | None = None) -> None:
         """Inference-only: one matmul for q/k/v and one for gate/up per layer (fewer, larger weight streams), every
         weight in the layout whose GEMM rows do not depend on the row count (layers.k_major). `use_kernels`: the
-        attention and the bf16 linears run on whiflash_trt.kernels where they are loaded (False: torch and oneDNN)."""
-        for layer in self.layers:
-            layer.self_attn.fuse(use_kernels)
-            layer.mlp.fuse(use_kernels)
+        attention and the bf16 linears run on whiflash_trt.kernels where they are loaded (False: torch and oneDNN).
+        `native`: a GGUF file's own blocks packed for the kernels (pack_native's, by native_linears' names), which
+        the linears they name run over in place of their bf16 weights. Those dense weights are then neither packed
+        nor read, and may be meta tensors (runtime/loading.py reads none of them); the embedding, the norms and the
+        dense LM head's weight stay."""
+        native = native or {}
+        if native and not (use_kernels and kernels.registered() and self.dtype == torch.bfloat16):
+            raise ValueError("native weights run on the engine's kernels in bf16")
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.fuse(use_kernels, blocks=_under(native, f"layers.{i}.self_attn."))
+            layer.mlp.fuse(use_kernels, blocks=_under(native, f"layers.{i}.mlp."))
         head = nn.Parameter(k_major(self.lm_head.weight), requires_grad=False)
         if self.lm_head.weight is self.embed_tokens.weight:
             self.embed_tokens.weight = head
         self.lm_head.weight = head
-        self.head = FrozenLinear(head, use_kernel=use_kernels)
+        self.head = FrozenLinear(head, use_kernel=use_kernels, kernel_weight=native.get("lm_head"))
         self.kernel_attention = use_kernels and kernels.registered()
+        self.native = bool(native)
         self._place_norms()
 
     def _place_norms(self) -> None:
@@ -170,26 +182,6 @@ class TargetModel(nn.Module, Target):
         norms_in_gemms = self.kernel_attention and all(layer.on_kernels() for layer in self.layers)
         for layer in self.layers:
             layer.norms_in_gemms = norms_in_gemms
-
-    def use_native(self, packed: dict[str, torch.Tensor]) -> None:
-        """The linears run over a GGUF file's own blocks, packed for the kernels (pack_native, by linear), in place
-        of their bf16 weights, on the kernels (after fuse_projections). The dense weights of those linears are then
-        unused and may be meta tensors (runtime/loading.py reads none of them); the embedding, the norms and the
-        dense LM head stay."""
-        if not self.kernel_attention:
-            raise ValueError("native weights run on the engine's kernels: load them before fuse_projections")
-        for i, layer in enumerate(self.layers):
-            attn, mlp, at = layer.self_attn, layer.mlp, f"layers.{i}."
-            for frozen, name in ((attn.qkv, "self_attn.qkv"), (attn.o, "self_attn.o_proj"),
-                                 (mlp.down, "mlp.down_proj")):
-                if at + name in packed:
-                    _set_kernel_weight(frozen, packed[at + name])
-            if at + "mlp.gate_up" in packed:
-                mlp.gate_up_packed, mlp.gate_up = packed[at + "mlp.gate_up"], None
-        if "lm_head" in packed:
-            _set_kernel_weight(self.head, packed["lm_head"])
-        self._place_norms()
-        self.native = True
 
     def streamed_weight_bytes(self) -> int:
         """Bytes of weights one step reads once fused (fuse_projections): each projection and the LM head as its GEMM
@@ -250,10 +242,9 @@ class TargetModel(nn.Module, Target):
         return TargetOutput(logits=logits, hidden=hidden, captured=feats)
 
 
-def _set_kernel_weight(frozen: FrozenLinear, weight: torch.Tensor) -> None:
-    """`frozen` runs on the kernels over `weight` (a packed GGML weight), its bias widened as FrozenLinear does."""
-    frozen.kernel_weight = weight
-    frozen.kernel_bias = None if frozen.bias is None else frozen.bias.detach().float()
+def _under(named: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of `named` whose names start with `prefix`, by the rest of their names."""
+    return {name[len(prefix):]: t for name, t in named.items() if name.startswith(prefix)}
 
 
 def native_linears(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -271,7 +262,7 @@ def native_linears(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 
 def pack_native(cfg: ModelConfig, blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A GGUF's blocks (kernels.ggml_blocks, by weight name) -> the packed weights TargetModel.use_native takes
+    """A GGUF's blocks (kernels.ggml_blocks, by weight name) -> the packed weights TargetModel.fuse_projections takes
     (kernels.pack_ggml, by native_linears' names): q/k/v where all three have blocks of one type, o, gate/up likewise
     (their rows interleaved, kernels.ggml_gate_up), down and the LM head. Pure byte moves, the same on every CPU: an
     engine stores them packed (builder/build.py)."""
@@ -281,7 +272,7 @@ def pack_native(cfg: ModelConfig, blocks: dict[str, torch.Tensor]) -> dict[str, 
         if any(b is None for b in found) or len({kernels.ggml_kind(b) for b in found}) > 1:
             continue
         if name.endswith("gate_up"):
-            if cfg.intermediate_size % 32 == 0:
+            if gate_up_packs(cfg.intermediate_size):
                 packed[name] = kernels.pack_ggml(kernels.ggml_gate_up(*found))
         else:
             packed[name] = kernels.pack_ggml(torch.cat(found))

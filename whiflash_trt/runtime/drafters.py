@@ -57,7 +57,7 @@ class LearnedProposer(Proposer):
     def __init__(self, model: Eagle3 | DFlash, pool: KVPool, target: Target, union: tuple[int, ...]) -> None:
         self.model, self.pool, self.target = model, pool, target
         # a tree's node count when the request names none (the pool's dtype is the target's)
-        self.default_nodes = default_nodes(self.name, pool.k.device, pool.k.dtype, getattr(target, "native", False))
+        self.default_nodes = default_nodes(self.name, pool.k.device, pool.k.dtype, target.native)
         self.cols = feature_columns(model.config.capture_layers, union, target.config.hidden_size).to(pool.k.device)
         # how own_features selects them: not at all (both drafters read the same layers), a slice (a view) where they
         # are one run, else the index
