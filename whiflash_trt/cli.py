@@ -8,8 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from whiflash_trt.builder.default_engine import DEFAULT_CACHE_DIR, default_engine
-from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig, SamplingConfig,
-                                 SpecConfig)
+from whiflash_trt.config import (AUTO, BACKENDS, CATCH_UP, MODES, ROUTERS, CacheConfig, GenerationConfig,
+                                 SamplingConfig, SpecConfig)
 from whiflash_trt.errors import SpecError, WhiflashError
 from whiflash_trt.help_format import DefaultsHelpFormatter
 from whiflash_trt.prompt_lines import parse_prompt_lines

@@ -42,7 +42,8 @@ class RopeConfig:
         if self.theta <= 0:
             raise ValueError(f"rope theta must be positive, got {self.theta}")
         if self.scaling_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_scaling type {self.scaling_type!r} (supported: default, linear, llama3)")
+            raise ValueError(f"unsupported rope_scaling type {self.scaling_type!r} "
+                             f"(supported: default, linear, llama3)")
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
 

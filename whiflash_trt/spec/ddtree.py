@@ -1,4 +1,5 @@
-"""DDTree (Ringel & Romano, arXiv 2604.12989): the draft tree of the most probable prefixes under per-position marginals.
+"""DDTree (Ringel & Romano, arXiv 2604.12989): the draft tree of the most probable prefixes under per-position
+marginals.
 
 One block-diffusion forward gives a distribution q_d per depth d = 1..L, the same for every path (not
 path-conditional). Under the product model a prefix u_1..u_d has probability prod_i q_i(u_i), and the expected

@@ -170,7 +170,8 @@ class Eagle3Loss:
         if nb < 1:
             return torch.zeros(()), 0, {}
         with torch.no_grad():
-            target_logp = torch.log_softmax(hidden[1:].float() @ self.target_head.T, dim=-1)  # [T-1, Vd]: row r = dist at r+1
+            # [T-1, Vd]: row r is the distribution at position r + 1
+            target_logp = torch.log_softmax(hidden[1:].float() @ self.target_head.T, dim=-1)
         g = self.drafter.fc(feats[:nb, self.cols].float())
         base = torch.arange(nb)
         k0v0, diag, loss, total_w, metrics = None, [], 0.0, 0.0, {}

@@ -2,8 +2,9 @@
 
 The features of a data folder (~3.5 KB per token for SmolLM2) are large, and recomputing them takes one forward per
 sequence; its tokens (the target's own responses, 4 bytes per token, less once compressed) took one forward per
-token: hours of decoding. So the token level is what is kept: `whiflash-train keep` copies it (the manifest, the prompt splits and the tokens-*.safetensors
-of a folder and of its router/ split) to a small folder that can be committed (data/smollm2-135m/ here), and
+token: hours of decoding. So the token level is what is kept: `whiflash-train keep` copies it (the manifest, the
+prompt splits and the tokens-*.safetensors of a folder and of its router/ split) to a small folder that can be
+committed (data/smollm2-135m/ here), and
 `whiflash-train features` recomputes the features a folder lacks, after copying a kept token level into it
 (--tokens-from). A kept folder can also be grown again by `whiflash-train data`.
 """
