@@ -4,12 +4,16 @@ Every weight is its own memory (269 MB bf16, 538 MB fp32), so both stream from m
 two run alternated in one process, `turns` times, and the medians are printed with the bytes read per second.
 
     HOME=... python -m whiflash_trt.kernels.bench [--threads 2] [--turns 9]
+
+With --native ENGINE_DIR it times the GGUF blocks of a native engine instead (its target-native.safetensors, packed
+for ggml_gemm.h), by kind of linear, against the bytes they stream.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +31,14 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=9)
     p.add_argument("--rows", default="1,6", help="row counts, comma-separated")
     p.add_argument("--no-torch", action="store_true", help="time the kernel only")
+    p.add_argument("--native", type=Path, metavar="ENGINE_DIR", help="time a native engine's GGUF blocks")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     row_counts = [int(r) for r in args.rows.split(",")]
     if not kernels.ensure_loaded():
         raise SystemExit("the kernels cannot be loaded here")
+    if args.native:
+        return time_native(args.native, row_counts, args.turns)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES]
     packed = [kernels.pack_weight(w) for w in weights]
@@ -63,6 +70,37 @@ def main() -> None:
         read = bf16_bytes * (2 if name == "torch" else 1)
         print(f"{name:6} {rows} rows: {med * 1e3:7.2f} ms (min {min(seconds) * 1e3:.2f}), {read / med / 1e9:5.1f} GB/s "
               f"of weights ({'fp32' if name == 'torch' else 'bf16'})")
+
+
+def time_native(engine_dir: Path, row_counts: list[int], turns: int) -> None:
+    """ms per step of each kind of linear (summed over the layers) and of all, over the engine's packed blocks, every
+    weight its own memory (96 MB for SmolLM2): the kinds take turns, all rows alike."""
+    from safetensors.torch import load_file
+
+    from whiflash_trt.manifest import NATIVE_WEIGHTS
+
+    blocks = load_file(str(engine_dir / NATIVE_WEIGHTS))
+    kinds: dict[str, list[torch.Tensor]] = {}
+    for name, w in blocks.items():
+        kinds.setdefault(name.rsplit(".", 1)[-1], []).append(w)
+    gen = torch.Generator().manual_seed(0)
+    runs = {(kind, rows): [] for kind in kinds for rows in row_counts}
+    for _ in range(turns):
+        for rows in row_counts:
+            for kind, ws in kinds.items():
+                x = torch.randn(rows, ws[0].shape[1] * 32, generator=gen).bfloat16()
+                start = time.perf_counter()
+                for w in ws:
+                    kernels.linear(x, w, None, w.shape[0] * 8)
+                runs[kind, rows].append(time.perf_counter() - start)
+    print(f"ISA {kernels.loaded_isa()}, {torch.get_num_threads()} threads, {kernels.cpuinfo('model name')}")
+    for rows in row_counts:
+        total = 0.0
+        for kind, ws in kinds.items():
+            med, read = statistics.median(runs[kind, rows]), sum(w.numel() for w in ws)
+            total += med
+            print(f"{rows} rows {kind:9} x{len(ws):3}: {med * 1e3:6.2f} ms, {read / med / 1e9:5.1f} GB/s of blocks")
+        print(f"{rows} rows all: {total * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":
