@@ -5,8 +5,8 @@ two run alternated in one process, `turns` times, and the medians are printed wi
 
     HOME=... python -m whiflash_trt.kernels.bench [--threads 2] [--turns 9]
 
-With --native ENGINE_DIR it times the GGUF blocks of a native engine instead (its target-native.safetensors, packed
-for ggml_gemm.h), by kind of linear, against the bytes they stream.
+With --native FILE (a native engine's target-native.safetensors: its GGUF blocks packed for ggml_gemm.h) it times
+those blocks instead, by kind of linear, against the bytes they stream.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=9)
     p.add_argument("--rows", default="1,6", help="row counts, comma-separated")
     p.add_argument("--no-torch", action="store_true", help="time the kernel only")
-    p.add_argument("--native", type=Path, metavar="ENGINE_DIR", help="time a native engine's GGUF blocks")
+    p.add_argument("--native", type=Path, metavar="FILE",
+                   help="time a native engine's GGUF blocks (its target-native.safetensors)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     row_counts = [int(r) for r in args.rows.split(",")]
@@ -72,14 +73,14 @@ def main() -> None:
               f"of weights ({'fp32' if name == 'torch' else 'bf16'})")
 
 
-def time_native(engine_dir: Path, row_counts: list[int], turns: int) -> None:
-    """ms per step of each kind of linear (summed over the layers) and of all, over the engine's packed blocks, every
-    weight its own memory (96 MB for SmolLM2): the kinds take turns, all rows alike."""
+def time_native(path: Path, row_counts: list[int], turns: int) -> None:
+    """ms per step of each kind of linear (summed over the layers) and of all, over an engine's packed blocks (`path`),
+    every weight its own memory (96 MB for SmolLM2): the kinds take turns, all rows alike."""
     from safetensors.torch import load_file
 
-    from whiflash_trt.manifest import NATIVE_WEIGHTS
-
-    blocks = load_file(str(engine_dir / NATIVE_WEIGHTS))
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (a native engine's target-native.safetensors)")
+    blocks = load_file(str(path))
     kinds: dict[str, list[torch.Tensor]] = {}
     for name, w in blocks.items():
         kinds.setdefault(name.rsplit(".", 1)[-1], []).append(w)
