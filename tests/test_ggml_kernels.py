@@ -1,8 +1,14 @@
 """The GEMM over a GGUF file's own blocks (kernels/ggml_gemm.h: Q4_0, Q4_1, Q8_0, quantised by gguf's reference
 quantiser): its sums are those of its definition (x quantised per row and block to int8, integer block sums, the
 fp32 scales) to one bf16 rounding, its rows do not depend on the other rows of the call or on the thread count, and
-the fused norm and SwiGLU take it as they take a bf16 weight."""
+the fused norm and SwiGLU take it as they take a bf16 weight; every build this CPU runs (AVX2, and AVX-512 VNNI's
+vpdpbusd) gives the same bits."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,6 +124,38 @@ def test_linear_norm_and_swiglu_take_a_ggml_weight(kind):
     assert torch.equal(act, (torch.nn.functional.silu(g_out.float()).bfloat16() * u_out).bfloat16())
     alone = torch.cat([kernels.swiglu(h[i:i + 1], fused, inter) for i in range(6)])
     assert torch.equal(act.view(torch.int16), alone.view(torch.int16))
+
+
+def ggml_outputs() -> dict[str, torch.Tensor]:
+    """Each kind's GEMM at the model's shapes and several row counts, as raw bf16 bits."""
+    out = {}
+    for kind in KINDS:
+        for n, k in [(203, 576), (1536, 576), (576, 1536)]:
+            blocks, _ = ggml_weight(kind, n, k, seed=n + k)
+            packed = kernels.pack_ggml(blocks)
+            bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+            for rows in (1, 3, 7):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16() * 3
+                out[f"{kind} {n}x{k} {rows} rows"] = kernels.linear(x, packed, bias, n).view(torch.int16)
+    return out
+
+
+OTHER_ISAS = [isa for isa in kernels.cpu.cpu_isas() if isa != kernels.isa()]
+
+
+@pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="this CPU runs one ISA only"))])
+def test_every_build_gives_the_same_bits(isa, tmp_path):
+    """A process with WHIFLASH_ISA set to another build (a process holds one library) computes the same outputs."""
+    path = tmp_path / f"{isa}.pt"
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import torch; "
+            f"import test_ggml_kernels as t; t.kernels.ensure_loaded(); torch.save(t.ggml_outputs(), {str(path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, kernels.ISA_ENV: isa},
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs, ours = torch.load(path), ggml_outputs()
+    assert theirs.keys() == ours.keys()
+    assert [key for key in ours if not torch.equal(ours[key], theirs[key])] == []
 
 
 def test_ggml_weights_are_checked():

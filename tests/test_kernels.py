@@ -693,12 +693,14 @@ def test_paged_attention_rejects_bad_inputs():
 
 AVX2_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
 AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512vl avx512dq avx512cd"
-AMX_FLAGS = AVX512_FLAGS + " avx512_bf16 amx_tile amx_bf16 amx_int8"
+BF16_FLAGS = AVX512_FLAGS + " avx512_bf16 avx512_vnni"
+AMX_FLAGS = BF16_FLAGS + " amx_tile amx_bf16 amx_int8"
 
 
 @pytest.mark.parametrize("flags,best", [("fpu sse2 avx", None), (AVX2_FLAGS, "avx2"),
                                         (AVX2_FLAGS + " avx512f avx512cd", "avx2"), (AVX512_FLAGS, "avx512"),
-                                        (AVX512_FLAGS + " avx512_bf16", "avx512bf16"), (AMX_FLAGS, "amx")])
+                                        (AVX512_FLAGS + " avx512_bf16", "avx512"), (BF16_FLAGS, "avx512bf16"),
+                                        (AMX_FLAGS, "amx")])
 def test_the_isa_is_the_best_the_cpu_flags_give(monkeypatch, flags, best):
     monkeypatch.setattr(kernels.cpu, "cpuinfo", lambda field: flags if field == "flags" else "")
     monkeypatch.delenv(kernels.ISA_ENV, raising=False)

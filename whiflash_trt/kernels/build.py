@@ -30,7 +30,7 @@ AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16
 BUILD_FLAGS = {   # the builds, lowest first; AMX only in the "amx" loop and the attention's AMX path
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": AVX512,
-    "avx512bf16": AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+    "avx512bf16": AVX512 + ["-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
 }
 BUILD_OF_ISA = {"avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512bf16", "amx": "avx512bf16"}
 MARKER = b"whiflash-kernels-build="   # linear_bf16.cpp kBuildMarker: the build a library file was compiled as

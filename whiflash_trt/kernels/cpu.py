@@ -11,7 +11,7 @@ from pathlib import Path
 ISA_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512bf16": ("avx512_bf16",),
+    "avx512bf16": ("avx512_bf16", "avx512_vnni"),   # every CPU with BF16 so far has VNNI
     "amx": ("amx_tile", "amx_bf16"),
 }
 ISAS = tuple(ISA_FLAGS)

@@ -12,8 +12,9 @@
 // Row invariance by construction: a row's quantisation and every output's sums depend on that row alone, in an
 // order fixed by the weight's shape, never by the row count, the row's place in the call or the thread count. The
 // integer sums are exact, and the fp32 part runs on 256-bit vectors in every build (AVX2 and AVX-512 alike), so
-// every build gives the same bits. (AVX-512 VNNI / AVX-VNNI's vpdpbusd would fold maddubs and madd into one
-// instruction, the same integers; not used yet.)
+// every build gives the same bits. Where the build has AVX-512 VNNI (the avx512bf16 build) one vpdpbusd takes a
+// step's products straight into int32, where AVX2 needs maddubs and madd (Q4: an int16 add a step, one madd a
+// block): the same integers, since no int16 sum of the AVX2 path saturates (Q8_0 pairs: at most 2 128 127).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -85,6 +86,18 @@ inline int ggml_packed_type(int64_t group_bytes) {
   return group_bytes == 144 ? kQ4_0 : group_bytes == 160 ? kQ4_1 : group_bytes == 272 ? kQ8_0 : -1;
 }
 
+// acc + the sums of each int32 lane's 4 products u8 s8: vpdpbusd, or on AVX2 maddubs and madd (the same integers
+// where no pair of products leaves int16, as in every call here)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#else
+constexpr bool kVnni = false;
+inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+#endif
+
 inline __m256 halves(const uint8_t* p) {   // 8 fp16 -> fp32 (exact)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -117,25 +130,30 @@ void ggml_group(const QuantRows& xq, int64_t r0, const uint8_t* group, const flo
       for (int s = 0; s < 8; ++s) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + quants + 32 * s));
         const __m256i w_abs = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < Rows; ++r) {
-          const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(four_inputs(qx[r] + 4 * s), w));
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, ones));
-        }
+        for (int r = 0; r < Rows; ++r)
+          sums[r] = dpbusd(sums[r], w_abs, _mm256_sign_epi8(four_inputs(qx[r] + 4 * s), w));
       }
-    } else {   // a pair sum is at most 2 15 127, so the 8 steps' sum 30480 still fits int16: one madd a block
+    } else {   // AVX2: the 8 steps' pair sums in int16 (each at most 2 15 127, 30480 in all), one madd a block;
+               // VNNI: the low and the high nibbles' steps in two int32 sums
       const __m256i low = _mm256_set1_epi8(0x0F);
-      __m256i pairs[Rows];
-      for (int r = 0; r < Rows; ++r) pairs[r] = _mm256_setzero_si256();
+      __m256i part[Rows];
+      for (int r = 0; r < Rows; ++r) part[r] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + quants + 32 * c));
         const __m256i first = _mm256_and_si256(packed, low);
         const __m256i second = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
         for (int r = 0; r < Rows; ++r) {
-          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(first, four_inputs(qx[r] + 4 * c)));
-          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(second, four_inputs(qx[r] + 4 * (c + 4))));
+          const __m256i x_first = four_inputs(qx[r] + 4 * c), x_second = four_inputs(qx[r] + 4 * (c + 4));
+          if constexpr (kVnni) {
+            sums[r] = dpbusd(sums[r], first, x_first), part[r] = dpbusd(part[r], second, x_second);
+          } else {
+            part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(first, x_first));
+            part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(second, x_second));
+          }
         }
       }
-      for (int r = 0; r < Rows; ++r) sums[r] = _mm256_madd_epi16(pairs[r], ones);
+      for (int r = 0; r < Rows; ++r)
+        sums[r] = kVnni ? _mm256_add_epi32(sums[r], part[r]) : _mm256_madd_epi16(part[r], ones);
     }
     const __m256 dw = halves(blk);
     for (int r = 0; r < Rows; ++r) {
