@@ -1,6 +1,6 @@
 """A draft tree's default node count follows the verify's GEMM loop: 8 / 5 nodes (EAGLE-3 / DFlash) where it runs on
-AMX tiles of 16 rows, 4 for every drafter on AVX2's FMA loop, 3 for the learned drafters over a native target's GGML
-GEMM on AVX2, 6 elsewhere, and a request's own count wins."""
+AMX tiles of 16 rows, 4 for every drafter on AVX2's FMA loop, 3 for the learned drafters and 4 for the suffix drafter
+over a native target's GGML GEMM (every build), 6 elsewhere, and a request's own count wins."""
 import torch
 
 from whiflash_trt import kernels
@@ -18,11 +18,12 @@ def test_the_default_node_counts_follow_the_gemm_loop(monkeypatch):
         monkeypatch.setattr(kernels, "gemm", lambda g=gemm: g)
         monkeypatch.setattr(kernels, "loaded_isa", lambda i=isa: i)
         assert {d: default_nodes(d, torch.device("cpu"), torch.bfloat16) for d in (EAGLE3, DFLASH, SUFFIX)} == expected
-    # a native target (GGML blocks) on AVX2: 3 nodes for the learned drafters; elsewhere not measured: the loop's
-    assert {d: default_nodes(d, torch.device("cpu"), torch.bfloat16, native=True)
-            for d in (EAGLE3, DFLASH, SUFFIX)} == {EAGLE3: 3, DFLASH: 3, SUFFIX: 4}
-    monkeypatch.setattr(kernels, "loaded_isa", lambda: "avx512")
-    assert default_nodes(EAGLE3, torch.device("cpu"), torch.bfloat16, native=True) == tree_defaults.NODES[EAGLE3]
+    # a native target (GGML blocks), whichever build and loop runs the rest: 3 nodes for the learned drafters
+    for gemm, isa in (("fma", "avx2"), ("dot", "avx512bf16"), ("amx", "amx")):
+        monkeypatch.setattr(kernels, "gemm", lambda g=gemm: g)
+        monkeypatch.setattr(kernels, "loaded_isa", lambda i=isa: i)
+        assert {d: default_nodes(d, torch.device("cpu"), torch.bfloat16, native=True)
+                for d in (EAGLE3, DFLASH, SUFFIX)} == {EAGLE3: 3, DFLASH: 3, SUFFIX: 4}
     monkeypatch.setattr(kernels, "gemm", lambda: "amx")
     assert default_nodes(EAGLE3, torch.device("meta"), torch.bfloat16) == tree_defaults.NODES[EAGLE3]   # not the CPU's
     # an fp32 target's verify does not run the bf16 GEMM loop: whether this process loaded the kernels (another

@@ -10,10 +10,9 @@ where a verified node stops being nearly free.
 - The FMA loop on AVX2 (8 lanes) is compute-bound from 3 rows: each row past the second adds 0.1-0.15x a decode
   step's GEMM time (SmolLM2's linears: 10.8 ms at 1 and 2 rows, 12.4-12.8 at 3, 14.2 at 4, 15.6 at 6): 4 nodes for
   every drafter (the suffix drafter too: 4 beat 3 and 6 on the copy-heavy prompts).
-- A native target's GGML GEMM on AVX2 (kernels/ggml_gemm.h): a decode step is so cheap (97 MB streamed) that each
-  verified row costs relatively more, in the GEMM and in the attention, which reads every key once per row: 3 nodes
-  for the learned drafters (EAGLE-3 1.04x `ar`, DFlash 0.89x, against 0.87x and 0.77x with 4); the suffix drafter
-  keeps 4 (not measured there).
+- A native target's GGML GEMM (kernels/ggml_gemm.h, every build): a decode step is so cheap (97 MB streamed) that
+  each verified row costs relatively more, in the GEMM and in the attention, which reads every key once per row: 3
+  nodes for the learned drafters and 4 for the suffix drafter, on AVX2 (Zen 3) and on AVX-512 VNNI (Zen 4) alike.
 - The torch path, fp32 targets and other devices take this default too.
 
 The comparisons behind these counts: docs/measurements.md, "Default node counts".
@@ -27,12 +26,12 @@ from whiflash_trt.config import DFLASH, EAGLE3, SUFFIX
 
 NODES = {EAGLE3: 6, DFLASH: 6, SUFFIX: 6}
 AVX2_FMA = "fma-avx2"   # the FMA loop of the avx2 build
-AVX2_GGML = "ggml-avx2"   # a native target's GGML GEMM in the avx2 build
+GGML = "ggml"   # a native target's GGML GEMM, in every build
 NODES_BY_GEMM = {"amx": {EAGLE3: 8, DFLASH: 5}, AVX2_FMA: {EAGLE3: 4, DFLASH: 4, SUFFIX: 4},
-                 AVX2_GGML: {EAGLE3: 3, DFLASH: 3, SUFFIX: 4}}
+                 GGML: {EAGLE3: 3, DFLASH: 3, SUFFIX: 4}}
 DEFAULT_NODES_HELP = {d: f"{NODES_BY_GEMM['amx'].get(d, NODES[d])} where the GEMM runs on AMX tiles, "
-                         f"{NODES_BY_GEMM[AVX2_FMA][d]} on AVX2-only CPUs ({NODES_BY_GEMM[AVX2_GGML][d]} for a native "
-                         f"target), else {NODES[d]}" for d in NODES}
+                         f"{NODES_BY_GEMM[AVX2_FMA][d]} on AVX2-only CPUs, {NODES_BY_GEMM[GGML][d]} for a native "
+                         f"target, else {NODES[d]}" for d in NODES}
 
 
 def gemm_kind(native: bool = False) -> str | None:
@@ -40,11 +39,10 @@ def gemm_kind(native: bool = False) -> str | None:
     blocks, whose GEMM is ggml_gemm.h on every loop."""
     if not kernels.registered():
         return None
-    avx2 = kernels.loaded_isa() == "avx2"
     if native:
-        return AVX2_GGML if avx2 else None
+        return GGML
     gemm = kernels.gemm()
-    return AVX2_FMA if gemm == "fma" and avx2 else gemm
+    return AVX2_FMA if gemm == "fma" and kernels.loaded_isa() == "avx2" else gemm
 
 
 def default_nodes(drafter: str, device: torch.device, dtype: torch.dtype, native: bool = False) -> int:
