@@ -65,13 +65,15 @@ def test_the_manifest_and_the_run_say_the_linears_are_the_ggufs_blocks(native_en
     assert all("over the GGUF's Q4_1/Q8_0 blocks" in r["stats"]["compute"] for r in ar_runs)
     import torch
 
-    from whiflash_trt.config import EAGLE3
+    from whiflash_trt.config import EAGLE3, SUFFIX
     from whiflash_trt.runtime.engine import Engine
     from whiflash_trt.runtime.tree_defaults import default_nodes
 
-    engine = Engine.load(native_engine)   # its trees are sized for the native GEMM
+    engine = Engine.load(native_engine)   # its trees, the suffix drafter's too, are sized for the native GEMM
     assert engine.target.native
-    assert engine.proposers[EAGLE3].default_nodes == default_nodes(EAGLE3, torch.device("cpu"), torch.bfloat16, True)
+    for drafter in (EAGLE3, SUFFIX):
+        want = default_nodes(drafter, torch.device("cpu"), torch.bfloat16, True)
+        assert engine.proposers[drafter].default_nodes == want
 
 
 @pytest.mark.parametrize("mode_args", MODES, ids=lambda a: "-".join(a[1::2]))

@@ -1,5 +1,6 @@
 """The drafter registry: each kind's proposer. A learned kind is built over its checkpoint's model, its KV pool and
-the target; a free kind over nothing but the device and dtype the target verifies in, so every engine has it."""
+the target; a free kind over nothing but how the target verifies (device, dtype, GGML blocks or not), so every engine
+has it."""
 from __future__ import annotations
 
 from whiflash_trt.config import DFLASH, EAGLE3, SUFFIX
@@ -7,4 +8,4 @@ from whiflash_trt.runtime.drafters import DFlashProposer, Eagle3Proposer
 from whiflash_trt.runtime.suffix_drafter import SuffixProposer
 
 LEARNED = {EAGLE3: Eagle3Proposer, DFLASH: DFlashProposer}   # name -> proposer(model, pool, target, union)
-FREE = {SUFFIX: SuffixProposer}                              # name -> proposer(device, dtype)
+FREE = {SUFFIX: SuffixProposer}                              # name -> proposer(device, dtype, native)

@@ -53,7 +53,8 @@ class Engine:
         self.runner = TargetRunner(self.target, self.kv.pools["target"], union)
         self.proposers: dict[str, Proposer] = {
             name: LEARNED[name](m, self.kv.pools[name], self.target, union) for name, m in drafters.items()}
-        self.proposers |= {name: kind(self.device, self.target.dtype) for name, kind in FREE.items()}
+        verify = (self.device, self.target.dtype, self.target.native)
+        self.proposers |= {name: kind(*verify) for name, kind in FREE.items()}
         # The throughput router (a v2 router file) weighs each choice by its seconds per round on this machine:
         # calibrated at load, then kept current by the rounds a request runs alone (runtime.round)
         self.round_seconds = LiveRoundSeconds()

@@ -19,9 +19,10 @@ class SuffixProposer(Proposer):
     free = True
     tree = SuffixTreeConfig()   # the request's shape: see for_spec
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        """For a target verifying in `dtype` on `device` (its default node count: runtime.tree_defaults)."""
-        self.default_nodes = default_nodes(self.name, device, dtype)
+    def __init__(self, device: torch.device, dtype: torch.dtype, native: bool = False) -> None:
+        """For a target verifying in `dtype` on `device`, `native` where its linears are GGML blocks (its default
+        node count: runtime.tree_defaults)."""
+        self.default_nodes = default_nodes(self.name, device, dtype, native)
         self.index = SuffixIndex()
 
     def for_spec(self, spec: SpecConfig) -> "SuffixProposer":
