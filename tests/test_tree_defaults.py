@@ -18,7 +18,8 @@ def test_the_default_node_counts_follow_the_gemm_loop(monkeypatch):
         monkeypatch.setattr(kernels, "gemm", lambda g=gemm: g)
         monkeypatch.setattr(kernels, "loaded_isa", lambda i=isa: i)
         assert {d: default_nodes(d, torch.device("cpu"), torch.bfloat16) for d in (EAGLE3, DFLASH, SUFFIX)} == expected
-    # a native target (GGML blocks), whichever build and loop runs the rest: 3 nodes for the learned drafters
+    # a native target (GGML blocks), whichever build and loop runs the rest: 3 nodes for the learned drafters, 4 for
+    # the suffix drafter
     for gemm, isa in (("fma", "avx2"), ("dot", "avx512bf16"), ("amx", "amx")):
         monkeypatch.setattr(kernels, "gemm", lambda g=gemm: g)
         monkeypatch.setattr(kernels, "loaded_isa", lambda i=isa: i)
